@@ -1,0 +1,45 @@
+"""The Typer app. Commands live one per module and only parse, call fedlt, and print."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+from pydantic import ValidationError
+
+from fedlt.errors import FedltError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
+
+
+def one_line(exc: ValidationError) -> str:
+    """A pydantic error as one line: 'field.path: message' for each problem."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    from fedlt.cli import commands  # noqa: F401  (registers the commands on `app`)
+
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="fedlt", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except click.UsageError as exc:
+        print(f"error: {exc.format_message()}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
+    except ValidationError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+    except FedltError as exc:
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,6 @@
+"""Federated algorithms, each a registered composition of the library's parts."""
+
+from fedlt.registry import Registry
+
+REGISTRY: Registry = Registry("algorithm")
+register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list

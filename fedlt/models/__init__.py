@@ -1,0 +1,55 @@
+"""Models and their split into a client part and a server part (SPEC §3).
+
+``build(name, in_chans=, num_classes=, image_size=)`` makes a model for a dataset: a registered
+name (``alexnet``, ``mlp``) or ``timm:<model>`` for any timm model (never pretrained).
+``split(model, at)`` returns ``(client, server)`` modules that share the model's parameters, with
+``server(client(x)) == model(x)``. ``classifier(model)`` is the explicit hook for the final linear
+layer: the model's ``get_classifier()`` (timm's convention, implemented by fedlt's own models).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fedlt.errors import FedltError
+from fedlt.models.alexnet import MLP, AlexNet
+from fedlt.registry import Registry
+
+REGISTRY: Registry = Registry("model")
+register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
+
+
+@register("alexnet")
+def alexnet(in_chans: int = 3, num_classes: int = 10, image_size: int = 32) -> AlexNet:
+    if image_size not in (28, 32):
+        raise FedltError(f"model alexnet needs 28x28 or 32x32 inputs, got image_size={image_size}")
+    return AlexNet(in_chans, num_classes)
+
+
+@register("mlp")
+def mlp(in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> MLP:
+    return MLP(in_chans * image_size * image_size, num_classes)
+
+
+def build(name: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    if name.startswith("timm:"):
+        from fedlt.models.timm_models import create_timm
+
+        return create_timm(name.removeprefix("timm:"), in_chans=in_chans, num_classes=num_classes, image_size=image_size)
+    return REGISTRY.create(name, in_chans=in_chans, num_classes=num_classes, image_size=image_size)
+
+
+def split(model: nn.Module, at: str | int) -> tuple[nn.Module, nn.Module]:
+    from fedlt.models.splitting import split as split_model
+
+    return split_model(model, at)
+
+
+def classifier(model: nn.Module) -> nn.Linear:
+    get_classifier = getattr(model, "get_classifier", None)
+    if get_classifier is None:
+        raise FedltError(
+            f"{type(model).__name__} has no get_classifier(); algorithms that read the classifier "
+            "(e.g. fedgrab's DPA) need models to expose their final linear layer through it"
+        )
+    return get_classifier()
