@@ -1,0 +1,163 @@
+"""The run configuration: validated once, at the boundary, by pydantic.
+
+A ``RunConfig`` can be written in Python, loaded from a TOML / YAML / JSON file, and overridden by
+CLI flags. Component parameters (partitioner, algorithm) are validated by building the component,
+so a bad ``beta`` is reported as ``partition: ... beta ...`` before any data is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+
+from fedlt.errors import FedltError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """Validate ``{"name": ..., **params}`` by creating the component (cheap, no data touched)."""
+    if "name" not in spec:
+        raise ValueError(f"{what} needs a 'name' (valid: {', '.join(registry.list())})")
+    params = {k: v for k, v in spec.items() if k != "name"}
+    try:
+        registry.create(spec["name"], **params)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{spec['name']}: {problems}") from None
+    except (FedltError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    return spec
+
+
+class Seeds(Strict):
+    """Three independent streams (SPEC §6): changing one leaves the others' draws unchanged."""
+
+    data: int = Field(0, ge=0, description="partition of the training set")
+    model: int = Field(0, ge=0, description="model initialisation")
+    sampling: int = Field(0, ge=0, description="client sampling and local minibatch order")
+
+
+class Optimiser(Strict):
+    """SGD on both sides (SCALA authors' defaults); ``clip`` is the total gradient norm per side."""
+
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    clip: float | None = Field(10.0, gt=0)
+
+
+class RunConfig(Strict):
+    # data
+    dataset: str = "mnist"
+    data_root: Path | None = None
+    download: bool = False
+    train_limit: PositiveInt | None = Field(None, description="use only the first N training samples")
+    test_limit: PositiveInt | None = Field(None, description="use only the first N test samples")
+    # partition
+    partition: dict[str, Any] = Field(default_factory=lambda: {"name": "quantity", "alpha": 2})
+    partition_file: Path | None = None
+    clients: PositiveInt = 100
+    # model
+    model: str = "alexnet"
+    split: str | None = Field("s2", description="cut point for split algorithms (alexnet: s1..s5)")
+    # algorithm and its parameters (e.g. loss, client_loss, server_loss, aggregator)
+    algorithm: str = "scala"
+    algorithm_params: dict[str, Any] = Field(default_factory=dict)
+    # schedule
+    rounds: PositiveInt = 10
+    participation: float = Field(0.1, gt=0, le=1, description="fraction r of clients sampled per round")
+    server_batch: PositiveInt = Field(320, description="B: the server's batch; client k takes B_k ∝ |D_k|")
+    local_iters: PositiveInt = Field(5, description="T local iterations per round")
+    local_epochs: PositiveInt | None = Field(None, description="epoch-based local training (FedAvg family)")
+    batch_size: PositiveInt = Field(64, description="minibatch size for epoch-based local training")
+    optimiser: Optimiser = Field(default_factory=Optimiser)
+    seeds: Seeds = Field(default_factory=Seeds)
+    # execution and output
+    device: str = "cpu"
+    eval_every: PositiveInt = 1
+    checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
+    eval_batch: PositiveInt = 2048
+    out: Path = Path("runs/latest")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, name: str) -> str:
+        import fedlt.datasets
+
+        fedlt.datasets.get(name)  # raises with the valid names and a suggestion
+        return name
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        import fedlt.algorithms
+
+        fedlt.algorithms.get(name)
+        return name
+
+    @field_validator("partition")
+    @classmethod
+    def _valid_partition(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        import fedlt.partitioners
+
+        return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, device: str) -> str:
+        import torch
+
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        return device
+
+    @model_validator(mode="after")
+    def _valid_algorithm_params(self) -> "RunConfig":
+        _check_component(__import__("fedlt.algorithms").algorithms.REGISTRY,
+                         {"name": self.algorithm, **self.algorithm_params}, "algorithm_params")
+        return self
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise FedltError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(text) or {}
+        if path.suffix == ".json":
+            return json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise FedltError(f"config file {path} is not valid {path.suffix[1:]}: {exc}".splitlines()[0]) from None
+    except Exception as exc:  # yaml's errors do not share a base with the others
+        raise FedltError(f"config file {path} could not be parsed: {exc}".splitlines()[0]) from None
+    raise FedltError(f"config file {path}: unknown format {path.suffix!r} (use .toml, .yaml, .yml or .json)")
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: nested tables (seeds, optimiser, partition) merge key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """A RunConfig from an optional file, with ``overrides`` (e.g. CLI flags) taking precedence."""
+    data = read_config_file(path) if path is not None else {}
+    if not isinstance(data, dict):
+        raise FedltError(f"config file {path} must hold a table of settings at its top level")
+    return RunConfig.model_validate(merge(data, overrides or {}))

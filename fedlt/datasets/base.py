@@ -1,0 +1,44 @@
+"""The in-memory dataset every run trains on: normalised float tensors and int64 labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class InMemoryDataset:
+    """Train and test splits held as tensors, so a round never touches a DataLoader or disk.
+
+    ``x_*`` are float32 (N, C, H, W), already normalised; ``y_*`` are int64 (N,).
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def in_chans(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.x_train.shape[-1])
+
+    def limit(self, train: int | None = None, test: int | None = None) -> "InMemoryDataset":
+        """The first ``train`` / ``test`` samples (quick runs and tests); None keeps all."""
+        return InMemoryDataset(
+            self.name if train is None and test is None else f"{self.name}[:{train},:{test}]",
+            self.x_train[:train], self.y_train[:train], self.x_test[:test], self.y_test[:test], self.num_classes,
+        )
+
+
+def normalise(images_uint8: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> float32 standardised per channel."""
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (images_uint8.to(torch.float32).div_(255.0) - m).div_(s)

@@ -1,0 +1,74 @@
+"""Evaluation of a global model (SPEC §5): accuracy, balanced and per-class accuracy, many/medium/few.
+
+The whole test set is scored in large no-grad batches; every metric is derived from one confusion
+count per class, so nothing is recomputed per metric.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 2048, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Logits for every row of ``x`` (eval mode restored to the caller's mode afterwards)."""
+    was_training = model.training
+    model.eval()
+    out = torch.cat([model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
+    model.train(was_training)
+    return out
+
+
+def class_groups(train_counts: np.ndarray, rule: Literal["count", "share"] = "count",
+                 thresholds: tuple[int, int] = (100, 20), shares: tuple[float, float] = (0.75, 0.95)) -> dict[str, np.ndarray]:
+    """Many / medium / few classes by global training count.
+
+    ``count``: many > hi, few < lo, medium otherwise (defaults 100 / 20).
+    ``share`` (Fed-GraB): classes sorted by count; many = the head holding the first 75% of the
+    samples, medium = up to 95%, few = the rest.
+    """
+    counts = np.asarray(train_counts, dtype=np.int64)
+    if rule == "count":
+        hi, lo = thresholds
+        many, few = counts > hi, counts < lo
+        return {"many": np.flatnonzero(many), "medium": np.flatnonzero(~many & ~few), "few": np.flatnonzero(few)}
+    order = np.argsort(-counts, kind="stable")
+    share_before = np.concatenate([[0.0], np.cumsum(counts[order])[:-1]]) / max(counts.sum(), 1)
+    return {
+        "many": np.sort(order[share_before < shares[0]]),
+        "medium": np.sort(order[(share_before >= shares[0]) & (share_before < shares[1])]),
+        "few": np.sort(order[share_before >= shares[1]]),
+    }
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                           groups: dict[str, np.ndarray] | None = None) -> dict:
+    """accuracy, balanced_accuracy (mean over classes present in the test set), per_class_accuracy,
+    loss (mean CE) and, given ``groups``, ``<group>_accuracy`` (mean per-class accuracy in the group)."""
+    pred = logits.argmax(1)
+    correct = torch.bincount(labels[pred == labels], minlength=num_classes).double()
+    total = torch.bincount(labels, minlength=num_classes).double()
+    present = total > 0
+    per_class = torch.where(present, correct / total.clamp(min=1), torch.full_like(total, float("nan")))
+    out = {
+        "accuracy": float(correct.sum() / total.sum()),
+        "balanced_accuracy": float(per_class[present].mean()),
+        "loss": float(F.cross_entropy(logits.double(), labels)),
+        "per_class_accuracy": [None if np.isnan(a) else round(float(a), 6) for a in per_class.tolist()],
+    }
+    for name, classes in (groups or {}).items():
+        vals = per_class[torch.as_tensor(classes, dtype=torch.long)]
+        vals = vals[~torch.isnan(vals)]
+        out[f"{name}_accuracy"] = float(vals.mean()) if len(vals) else None
+    return out
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+             groups: dict[str, np.ndarray] | None = None, batch_size: int = 2048,
+             device: str | torch.device = "cpu") -> dict:
+    return classification_metrics(predict(model, x, batch_size, device), y, num_classes, groups)
