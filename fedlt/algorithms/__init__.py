@@ -4,3 +4,5 @@ from fedlt.registry import Registry
 
 REGISTRY: Registry = Registry("algorithm")
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
+
+from fedlt.algorithms import fedavg_family, split  # noqa: E402,F401  (register the built-ins)

@@ -1,0 +1,3 @@
+from fedlt.cli import main
+
+main()

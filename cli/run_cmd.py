@@ -1,0 +1,142 @@
+"""``fedlt run``: flags (and an optional config file) -> RunConfig -> fedlt.engine.run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedlt.cli.app import app
+from fedlt.errors import FedltError
+
+PARTITION_FLAGS = ("alpha", "beta", "min_size", "shards_per_client", "imbalance_factor")
+
+
+def partition_overrides(partition: str | None, then: str | None, flags: dict[str, Any],
+                        current: dict[str, Any]) -> dict[str, Any] | None:
+    """The partition table implied by the flags; None when no partition flag was given.
+
+    ``--beta`` alone means dirichlet, ``--alpha`` alone quantity; with ``--then`` the scheme
+    flags go to the inner partitioner of ``longtail``.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    if partition is None and not given and then is None:
+        return None
+    if partition is None:
+        partition = "dirichlet" if "beta" in given else "quantity" if "alpha" in given else current.get("name", "quantity")
+        if partition == current.get("name"):
+            return {**current, **given}
+    if partition == "longtail":
+        outer = {"imbalance_factor": given.pop("imbalance_factor")} if "imbalance_factor" in given else {}
+        return {"name": "longtail", **outer, "then": {"name": then or "iid", **given}}
+    if then is not None:
+        raise FedltError("--then is only meaningful with --partition longtail")
+    return {"name": partition, **given}
+
+
+@app.command("run")
+def run(
+    algo: Optional[str] = typer.Option(None, "--algo", help="algorithm (fedlt list algorithms)"),
+    split: Optional[str] = typer.Option(None, help="cut point of split algorithms: s1..s5 for alexnet, a stage index for timm"),
+    model: Optional[str] = typer.Option(None, help="alexnet, mlp, or timm:<name>"),
+    dataset: Optional[str] = typer.Option(None, help="mnist (offline), cifar10, cifar100, fashion_mnist, svhn"),
+    data_root: Optional[Path] = typer.Option(None, help="folder holding the torchvision datasets"),
+    download: bool = typer.Option(False, "--download", help="let torchvision download a missing dataset"),
+    partition: Optional[str] = typer.Option(None, help="iid, dirichlet, quantity, shards, longtail"),
+    alpha: Optional[int] = typer.Option(None, help="quantity skew: classes per client"),
+    beta: Optional[float] = typer.Option(None, help="dirichlet concentration"),
+    min_size: Optional[int] = typer.Option(None, help="dirichlet: minimum samples per client"),
+    shards_per_client: Optional[int] = typer.Option(None, help="shards: shards per client"),
+    imbalance_factor: Optional[float] = typer.Option(None, help="longtail: n_max / n_min"),
+    then: Optional[str] = typer.Option(None, help="longtail: the partitioner applied to what is kept"),
+    partition_file: Optional[Path] = typer.Option(None, help="reuse a saved partition (partition.npz)"),
+    clients: Optional[int] = typer.Option(None, help="number of clients K"),
+    participation: Optional[float] = typer.Option(None, help="fraction of clients per round, in (0, 1]"),
+    rounds: Optional[int] = typer.Option(None, help="communication rounds"),
+    server_batch: Optional[int] = typer.Option(None, help="SCALA's server batch B"),
+    local_iters: Optional[int] = typer.Option(None, help="local iterations T per round"),
+    local_epochs: Optional[int] = typer.Option(None, help="epoch-based local training (FedAvg family)"),
+    batch_size: Optional[int] = typer.Option(None, help="batch size of epoch-based local training"),
+    lr: Optional[float] = typer.Option(None, help="SGD learning rate"),
+    momentum: Optional[float] = typer.Option(None),
+    weight_decay: Optional[float] = typer.Option(None),
+    clip: Optional[float] = typer.Option(None, help="gradient-norm clipping per side"),
+    loss: Optional[str] = typer.Option(None, help="local objective, e.g. 'logit_adjust + 0.1*vacant_kd'"),
+    client_loss: Optional[str] = typer.Option(None, help="split algorithms: the clients' loss expression"),
+    server_loss: Optional[str] = typer.Option(None, help="split algorithms: the server's loss expression"),
+    seed: Optional[int] = typer.Option(None, help="sets the data, model and sampling seeds at once"),
+    data_seed: Optional[int] = typer.Option(None),
+    model_seed: Optional[int] = typer.Option(None),
+    sampling_seed: Optional[int] = typer.Option(None),
+    train_limit: Optional[int] = typer.Option(None, help="use only the first N training samples"),
+    test_limit: Optional[int] = typer.Option(None, help="use only the first N test samples"),
+    eval_every: Optional[int] = typer.Option(None),
+    checkpoint_every: Optional[int] = typer.Option(None),
+    device: Optional[str] = typer.Option(None),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+) -> None:
+    """Run a federated experiment and write its run directory."""
+    from fedlt.config import RunConfig, merge, read_config_file
+    from fedlt.engine import run as run_experiment
+
+    if resume is not None:
+        if not (resume / "config.json").exists():
+            raise FedltError(f"--resume {resume}: no config.json there (not a run directory)")
+        config = resume / "config.json"
+    base = read_config_file(config) if config is not None else {}
+    overrides: dict[str, Any] = {}
+    scalars = dict(algorithm=algo, split=split, model=model, dataset=dataset, data_root=data_root,
+                   partition_file=partition_file, clients=clients, participation=participation, rounds=rounds,
+                   server_batch=server_batch, local_iters=local_iters, local_epochs=local_epochs,
+                   batch_size=batch_size, train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
+                   checkpoint_every=checkpoint_every, device=device, out=resume or out)
+    overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
+    if download:
+        overrides["download"] = True
+    optimiser = {k: v for k, v in dict(lr=lr, momentum=momentum, weight_decay=weight_decay, clip=clip).items() if v is not None}
+    if optimiser:
+        overrides["optimiser"] = optimiser
+    seeds = {k: v for k, v in dict(data=data_seed, model=model_seed, sampling=sampling_seed).items() if v is not None}
+    if seed is not None:
+        seeds = {"data": seed, "model": seed, "sampling": seed} | seeds
+    if seeds:
+        overrides["seeds"] = seeds
+    algo_params = {k: v for k, v in dict(loss=loss, client_loss=client_loss, server_loss=server_loss).items() if v is not None}
+    if algo_params:
+        overrides["algorithm_params"] = algo_params
+    if algo is not None and algo != base.get("algorithm") and "algorithm_params" in base and not algo_params:
+        overrides["algorithm_params"] = {}  # another algorithm's parameters would not fit this one
+    flags = dict(alpha=alpha, beta=beta, min_size=min_size, shards_per_client=shards_per_client,
+                 imbalance_factor=imbalance_factor)
+    new_partition = partition_overrides(partition, then, flags, base.get("partition", {"name": "quantity", "alpha": 2}))
+    if new_partition is not None:
+        base = {k: v for k, v in base.items() if k != "partition"}
+        overrides["partition"] = new_partition
+    if "out" not in overrides and "out" not in base:
+        overrides["out"] = f"runs/{algo or base.get('algorithm', 'scala')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = RunConfig.model_validate(merge(base, overrides))
+
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, disable=quiet)
+    with progress:
+        task = progress.add_task(f"{cfg.algorithm} on {cfg.dataset}", total=cfg.rounds, status="")
+
+        def on_round(done: int, row: dict) -> None:
+            status = f"acc {row['accuracy']:.4f}" if "accuracy" in row else f"loss {row.get('train_loss', float('nan')):.4f}"
+            progress.update(task, completed=done, status=status)
+
+        summary = run_experiment(cfg, resume=resume is not None, on_round=on_round)
+    final = summary["final"]
+    typer.echo(f"final accuracy {final['accuracy']:.4f}  balanced {final['balanced_accuracy']:.4f}  "
+               f"best {summary['best']['accuracy']:.4f} (round {summary['best']['round']})  "
+               f"rounds {summary['rounds']}  wall {summary['wall_time_s']:.1f}s  -> {cfg.out}")
+

@@ -1,0 +1,123 @@
+"""What every algorithm receives: the run context, a client's data, and the local schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedlt.errors import FedltError
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's local training set (in-memory tensors) and its class counts over all of it."""
+
+    cid: int
+    x: torch.Tensor
+    y: torch.Tensor
+    class_counts: torch.Tensor  # (C,) int64, over the WHOLE local set (SPEC §2's n)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class LocalSchedule:
+    """Local training budget and optimiser of one client in one round.
+
+    Iteration-based (SCALA): ``iters`` steps of ``batch`` samples drawn without replacement from a
+    fresh permutation of the client's data, reshuffled when exhausted. Epoch-based (FedAvg
+    family papers): ``epochs`` passes over a fresh permutation each, last batch possibly smaller.
+    """
+
+    batch: int
+    iters: int | None = None
+    epochs: int | None = None
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    clip: float | None = 10.0
+
+    def batches(self, n: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        if self.epochs is not None:
+            for _ in range(self.epochs):
+                perm = torch.randperm(n, generator=generator)
+                yield from perm.split(self.batch)
+            return
+        batch = min(self.batch, n)
+        perm, pos = torch.randperm(n, generator=generator), 0
+        for _ in range(self.iters or 0):
+            if pos + batch > n:
+                perm, pos = torch.randperm(n, generator=generator), 0
+            yield perm[pos : pos + batch]
+            pos += batch
+
+    def optimiser(self, params) -> torch.optim.SGD:
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    def clip_(self, params) -> None:
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+
+def proportional_batches(sizes: list[int], server_batch: int) -> list[int]:
+    """SCALA's B_k = max(⌊|D_k|·B / Σ_j |D_j|⌋, 1) over the participants (SPEC §3)."""
+    total = sum(sizes)
+    return [max(n * server_batch // total, 1) for n in sizes]
+
+
+def client_generator(sampling_seed: int, round_index: int, cid: int) -> torch.Generator:
+    """The minibatch-order stream of one client in one round, derived (not carried) so a resumed
+    run, or a client running elsewhere (Flower), draws exactly the same batches."""
+    mixed = ((sampling_seed * 1_000_003 + round_index) * 1_000_003 + cid) % (2**63)
+    return torch.Generator().manual_seed(mixed)
+
+
+@dataclass
+class RunContext:
+    """What an algorithm needs from the run; built by the engine from the RunConfig."""
+
+    num_classes: int
+    input_shape: tuple[int, int, int]  # (C, H, W) of one sample
+    build_model: Callable[[], nn.Module]  # a fresh, seeded model for this dataset
+    split: str | None
+    server_batch: int
+    local_iters: int
+    local_epochs: int | None
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    clip: float | None
+    sampling_seed: int
+    device: torch.device
+
+    def schedule(self, batch: int) -> LocalSchedule:
+        if self.local_epochs is not None:
+            return LocalSchedule(self.batch_size, epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
+                                 weight_decay=self.weight_decay, clip=self.clip)
+        return LocalSchedule(batch, iters=self.local_iters, lr=self.lr, momentum=self.momentum,
+                             weight_decay=self.weight_decay, clip=self.clip)
+
+
+class Algorithm(Protocol):
+    """The engine drives an algorithm through these calls only."""
+
+    def setup(self, ctx: RunContext) -> None: ...
+    def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]: ...
+    def global_model(self) -> nn.Module: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class NonFiniteLoss(FedltError):
+    """A NaN or inf loss: the run stops and names where it happened."""
+
+
+def check_finite(value: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(value.detach()).all():
+        raise NonFiniteLoss(f"non-finite loss ({value.item()}) at {where}")

@@ -1,0 +1,318 @@
+"""ONE engine for split federated learning (SPEC §3); SCALA is its default configuration.
+
+The model is cut into a client part and a server part that share the global model's parameters.
+Each round, every participant trains a replica of the client part (parameters held as plain
+tensors and run with ``torch.func.functional_call``, so no module is copied), in lockstep for T
+local iterations. In SCALA's iteration the server concatenates all activations, forwards ONCE,
+and from those same logits derives both its own loss (prior of the concatenated batch) and every
+client's loss (the client's prior, mean over its own rows); both gradients are taken at the
+server weights before this iteration's server step. The client replicas are then averaged by
+|D_k|; the server model is one model with a persistent optimiser, never averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from torch import nn
+from torch.func import functional_call
+
+import fedlt.aggregators
+import fedlt.losses
+from fedlt.algorithms import register
+from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, check_finite, client_generator,
+                                   proportional_batches)
+from fedlt.errors import FedltError
+from fedlt.models import classifier, split
+
+State = dict[str, torch.Tensor]
+
+
+class Replica:
+    """One side's weights copied for one round (a participant's client part, or a server copy in
+    SplitFed V1/V3): parameters as leaf tensors run through the shared module with
+    ``functional_call``, so no module is copied; each replica has its own optimiser."""
+
+    def __init__(self, module: nn.Module, start: State, schedule: LocalSchedule) -> None:
+        self.module = module
+        param_names = {name for name, _ in module.named_parameters()}
+        self.params = {n: t.detach().clone().requires_grad_(True) for n, t in start.items() if n in param_names}
+        self.buffers = {n: t.detach().clone() for n, t in start.items() if n not in param_names}
+        self.schedule = schedule
+        self.optimiser = schedule.optimiser(list(self.params.values()))
+
+    def __call__(self, x: torch.Tensor):
+        return functional_call(self.module, {**self.params, **self.buffers}, (x,))
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def step(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
+        """Backpropagate ``output`` (a loss, or activations with the gradient the server sent), step."""
+        self.optimiser.zero_grad(set_to_none=True)
+        output.backward(output_grad)
+        self.schedule.clip_(self.parameters())
+        self.optimiser.step()
+
+    def apply(self, grads: list[torch.Tensor]) -> None:
+        """Step with gradients computed elsewhere (in parameter order)."""
+        for p, g in zip(self.parameters(), grads):
+            p.grad = g
+        self.schedule.clip_(self.parameters())
+        self.optimiser.step()
+        self.optimiser.zero_grad(set_to_none=True)
+
+    def state(self) -> State:
+        return {**{n: t.detach() for n, t in self.params.items()}, **self.buffers}
+
+
+class PersistentServer:
+    """The one server model of SCALA / SplitFed V2, trained in place; its optimiser (and momentum)
+    lives for the whole run. Same calls as a ``Replica``."""
+
+    def __init__(self, module: nn.Module, optimiser: torch.optim.Optimizer, schedule: LocalSchedule) -> None:
+        self.module, self.optimiser, self.schedule = module, optimiser, schedule
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    apply = Replica.apply
+
+
+class ClientWithHead(nn.Module):
+    """SFL-LocalLoss's client side: the client layers plus an auxiliary linear head on the flattened
+    activations, trained with the client's local loss; the server sends no gradient back."""
+
+    def __init__(self, client: nn.Module, activation_numel: int, num_classes: int) -> None:
+        super().__init__()
+        self.client = client
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(activation_numel, num_classes))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        activations = self.client(x)
+        return activations, self.head(activations)
+
+
+class SplitLearning(BaseModel):
+    """Split FL engine; the defaults are SCALA (SPEC §3). The other algorithms are options:
+
+    - ``server_mode``: ``concat`` (SCALA: one server, ONE forward of all participants'
+      activations per iteration), ``sequential`` (SplitFed V2: one server updated by each
+      client's batch in turn), ``copies`` (SplitFed V1/V3: a server copy per participant,
+      copies averaged by |D_k| at the end of the round).
+    - ``average_clients``: client parts averaged by |D_k| (True) or kept per client (V3).
+    - ``local_loss``: clients train through an auxiliary head with ``client_loss`` and get no
+      gradient from the server (SFL-LocalLoss).
+    - ``client_loss`` / ``server_loss``: loss expressions (SPEC §2). The client side is built with
+      the client's class counts p_k; the server side with the label counts of the batch it sees
+      (``server_prior="batch"``) or of the round's participants pooled (``"participants"``).
+      Both gradients come from the same server logits at the pre-step server weights.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    client_loss: str = "logit_adjust"
+    server_loss: str = "logit_adjust"
+    server_prior: Literal["batch", "participants"] = "batch"
+    server_mode: Literal["concat", "sequential", "copies"] = "concat"
+    average_clients: bool = True
+    local_loss: bool = False
+    aggregator: str = "fedavg"
+
+    _ctx: RunContext = PrivateAttr()
+    _model: nn.Module = PrivateAttr()
+    _client: nn.Module = PrivateAttr()  # the client part of the global model
+    _client_side: nn.Module = PrivateAttr()  # what a participant trains: _client, or _client + head
+    _server: nn.Module = PrivateAttr()
+    _server_optimiser: torch.optim.Optimizer = PrivateAttr()
+    _client_states: dict[int, dict[str, Any]] = PrivateAttr(default_factory=dict)
+
+    @field_validator("client_loss", "server_loss")
+    @classmethod
+    def _valid_loss(cls, expr: str) -> str:
+        fedlt.losses.validate(expr)
+        return expr
+
+    @field_validator("aggregator")
+    @classmethod
+    def _known_aggregator(cls, name: str) -> str:
+        fedlt.aggregators.get(name)
+        return name
+
+    def setup(self, ctx: RunContext) -> None:
+        self._ctx = ctx
+        self._model = ctx.build_model().to(ctx.device)
+        self._client, self._server = split(self._model, ctx.split)
+        self._client_side = self._client
+        if self.local_loss:
+            with torch.no_grad():
+                numel = self._client(torch.zeros(1, *ctx.input_shape, device=ctx.device))[0].numel()
+            self._client_side = ClientWithHead(self._client, numel, ctx.num_classes).to(ctx.device)
+        self._server_optimiser = ctx.schedule(ctx.server_batch).optimiser(list(self._server.parameters()))
+
+    # -- one round ------------------------------------------------------------------------------
+    def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]:
+        ctx = self._ctx
+        start = {n: t.detach().clone() for n, t in self._client_side.state_dict().items()}
+        server_start = {n: t.detach().clone() for n, t in self._server.state_dict().items()}
+        batches = proportional_batches([len(c) for c in clients], ctx.server_batch)
+        replicas = [Replica(self._client_side, self._client_start(c, start), ctx.schedule(b))
+                    for c, b in zip(clients, batches)]
+        if self.server_mode == "copies":
+            servers = [Replica(self._server, server_start, ctx.schedule(b)) for b in batches]
+        else:
+            servers = [PersistentServer(self._server, self._server_optimiser, ctx.schedule(ctx.server_batch))]
+        streams = [ctx.schedule(b).batches(len(c), client_generator(ctx.sampling_seed, round_index, c.cid))
+                   for c, b in zip(clients, batches)]
+        objectives = [self._client_objective(c, start) for c in clients]
+        teacher = self._teacher(start, server_start) if any(o.needs_teacher for o in objectives) else None
+        participants_counts = torch.stack([c.class_counts for c in clients]).sum(0)
+        # which clients' activations each server forward takes, in order
+        groups = [list(range(len(clients)))] if self.server_mode == "concat" else [[k] for k in range(len(clients))]
+        server_losses = []
+        for step in range(ctx.local_iters):
+            picks = [next(s) for s in streams]
+            xs = [c.x[i] for c, i in zip(clients, picks)]
+            ys = [c.y[i] for c, i in zip(clients, picks)]
+            outputs = [r(x) for r, x in zip(replicas, xs)]
+            where = f"round {round_index}, local iteration {step}"
+            if self.local_loss:  # the client trains on its own head; the server gets detached activations
+                for k, ((acts, aux_logits), replica) in enumerate(zip(outputs, replicas)):
+                    replica.step(self._client_value(objectives[k], aux_logits, ys[k], teacher, xs[k], f"{where}, client {k}"))
+                outputs = [acts.detach() for acts, _ in outputs]
+            grads: list[torch.Tensor | None] = [None] * len(clients)
+            for group in groups:
+                server = servers[group[0]] if self.server_mode == "copies" else servers[0]
+                group_grads, loss = self._server_step(
+                    server, [outputs[k] for k in group], [xs[k] for k in group], [ys[k] for k in group],
+                    [objectives[k] for k in group], group, teacher, participants_counts, where)
+                for k, g in zip(group, group_grads):
+                    grads[k] = g
+                server_losses.append(loss)
+            if not self.local_loss:
+                for replica, acts, grad in zip(replicas, outputs, grads):
+                    replica.step(acts, grad)
+        self._finish_round(clients, replicas, servers, objectives)
+        return {"train_loss": sum(server_losses) / len(server_losses)}
+
+    def _server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, participants_counts, where):
+        """ONE server forward of the given clients' concatenated activations; the server gradient
+        and the clients' activation gradients from the same logits, both at the pre-step server
+        weights; then the server step. Returns the per-client activation gradients (None for
+        local-loss clients) and the server loss."""
+        sizes = [len(y) for y in ys]
+        joined = torch.cat([a.detach() for a in activations]).requires_grad_(not self.local_loss)
+        labels = torch.cat(ys)
+        logits = server(joined)
+        C = self._ctx.num_classes
+        prior_counts = torch.bincount(labels, minlength=C) if self.server_prior == "batch" else participants_counts
+        server_objective = fedlt.losses.build(self.server_loss, class_counts=prior_counts, num_classes=C)
+        server_loss = server_objective(logits, labels)
+        check_finite(server_loss, f"{where}, server loss {self.server_loss!r}")
+        params = server.parameters()
+        server_grads = torch.autograd.grad(server_loss, params, retain_graph=not self.local_loss)
+        joined_grads: list[torch.Tensor | None] = [None] * len(sizes)
+        if not self.local_loss:
+            client_total = sum(
+                self._client_value(o, rows, y, teacher, x, f"{where}, client {k}")
+                for rows, y, o, x, k in zip(logits.split(sizes), ys, objectives, xs, client_ids))
+            (joined_grad,) = torch.autograd.grad(client_total, joined)
+            joined_grads = list(joined_grad.split(sizes))
+        server.apply(list(server_grads))
+        return joined_grads, float(server_loss.detach())
+
+    def _client_value(self, objective, logits, labels, teacher, x, where: str) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        if objective.needs_teacher:
+            with torch.no_grad():
+                extra["teacher_logits"] = teacher(x)
+        value = objective(logits, labels, **extra)
+        check_finite(value, f"{where}, client loss {self.client_loss!r}")
+        return value
+
+    def _finish_round(self, clients, replicas, servers, objectives) -> None:
+        aggregate = fedlt.aggregators.get(self.aggregator)
+        weighted = [(r.state(), float(len(c))) for r, c in zip(replicas, clients)]
+        # V3 keeps every client's own part; the global client part is then their average, used
+        # for evaluation only and never sent back.
+        self._client_side.load_state_dict(aggregate(weighted))
+        if self.server_mode == "copies":
+            self._server.load_state_dict(aggregate([(s.state(), float(len(c))) for s, c in zip(servers, clients)]))
+        for c, o, r in zip(clients, objectives, replicas):
+            state: dict[str, Any] = {}
+            if o.state_dict():
+                state["loss"] = o.state_dict()
+            if not self.average_clients:
+                state["client_model"] = {n: t.clone() for n, t in r.state().items()}
+            if state:
+                self._client_states[c.cid] = state
+
+    def _client_start(self, data: ClientData, global_start: State) -> State:
+        if self.average_clients:
+            return global_start
+        return self._client_states.get(data.cid, {}).get("client_model", global_start)
+
+    def _client_objective(self, data: ClientData, start: State):
+        try:
+            head_weight = classifier(self._model).weight.detach()
+        except FedltError:  # objectives that don't read the classifier still run on such models
+            head_weight = None
+        param_names = [n for n, _ in self._client_side.named_parameters()]
+        objective = fedlt.losses.build(
+            self.client_loss, class_counts=data.class_counts, num_classes=self._ctx.num_classes,
+            classifier_weight=head_weight, global_params=[start[n] for n in param_names],
+            seed=self._ctx.sampling_seed * 100_003 + data.cid,
+        )
+        saved = self._client_states.get(data.cid, {}).get("loss")
+        if saved:
+            objective.load_state_dict(saved)
+        return objective
+
+    def _teacher(self, client_start: State, server_start: State):
+        """The global model received this round (client and server parts at round start), as a
+        no-grad function of the input; used by objectives such as FedVLS's vacant-class KD."""
+        client_params = client_start
+        if self.local_loss:  # the teacher is the global model itself, without the auxiliary head
+            client_params = {k.removeprefix("client."): v for k, v in client_start.items() if k.startswith("client.")}
+
+        def teacher(x: torch.Tensor) -> torch.Tensor:
+            return functional_call(self._server, server_start, (functional_call(self._client, client_params, (x,)),))
+
+        return teacher
+
+    # -- state ----------------------------------------------------------------------------------
+    def global_model(self) -> nn.Module:
+        return self._model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"client_side": self._client_side.state_dict(), "model": self._model.state_dict(),
+                "server_optimiser": self._server_optimiser.state_dict(), "client_states": self._client_states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._model.load_state_dict(state["model"])
+        self._client_side.load_state_dict(state["client_side"])
+        self._server_optimiser.load_state_dict(state["server_optimiser"])
+        self._client_states = {int(k): v for k, v in state["client_states"].items()}
+
+
+def _preset(name: str, doc: str, **defaults: Any) -> None:
+    def factory(**params: Any) -> SplitLearning:
+        return SplitLearning(**{**defaults, **params})
+
+    factory.__doc__ = doc
+    register(name)(factory)
+
+
+_preset("scala", "SCALA: concatenated activations, logit adjustment with P_s (server) and p_k (clients).")
+_preset("splitfed_v1", "SplitFed V1: a server copy per client, server copies and client parts averaged.",
+        server_mode="copies", client_loss="ce", server_loss="ce")
+_preset("splitfed_v2", "SplitFed V2: one server updated by each client's batch in turn; client parts averaged.",
+        server_mode="sequential", client_loss="ce", server_loss="ce")
+_preset("splitfed_v3", "SplitFed V3: client parts kept per client, server copies averaged.",
+        server_mode="copies", average_clients=False, client_loss="ce", server_loss="ce")
+_preset("sfl_localloss", "SFL-LocalLoss: clients train with a local auxiliary head; no gradient from the server.",
+        server_mode="sequential", local_loss=True, client_loss="ce", server_loss="ce")
