@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import struct
 from pathlib import Path
@@ -37,6 +38,7 @@ def read_idx(path: Path) -> np.ndarray:
     return data.reshape(dims)
 
 
+@functools.lru_cache(maxsize=4)  # decoding takes seconds; datasets are never modified in place
 def load_idx_dataset(name: str, folder: Path, mean: float, std: float) -> InMemoryDataset:
     missing = [f for f in MNIST_FILES.values() if not (folder / f).exists()]
     if missing:

@@ -1,0 +1,26 @@
+"""Shared helpers for the benchmark scripts: a results table printed with rich and saved as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # timm imports triton; there is no GPU here
+
+RESULTS = Path(__file__).with_name("results")
+
+
+def report(name: str, columns: list[str], rows: list[list], meta: dict | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns, title=name)
+    for row in rows:
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    Console().print(table)
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"benchmark": name, "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+               "meta": meta or {}, "columns": columns, "rows": rows}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")

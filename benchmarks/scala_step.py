@@ -1,0 +1,87 @@
+"""One SCALA local iteration: the single concatenated server forward vs. the authors' way.
+
+fused   : fedlt's engine — ONE server forward of the concatenated activations, the server loss
+          and every client's loss from the same logits, two backward passes.
+authors : a server forward + backward per client for that client's activation gradient, plus a
+          forward + backward on the concatenation for the server step (K+1 server passes).
+
+Both run inside the same engine (only the server step differs) on the same data; the time is per
+local iteration (client forward/backward and optimiser steps included, identical in both).
+Run: python benchmarks/scala_step.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import common  # noqa: F401  (sets TRITON_INTERPRET before timm is imported)
+import torch
+
+import fedlt.losses
+import fedlt.models
+from fedlt.algorithms.base import ClientData, RunContext
+from fedlt.algorithms.split import SplitLearning
+
+
+def authors_server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, counts, where):
+    grads = []
+    for acts, y, objective in zip(activations, ys, objectives):  # one server pass per client
+        a = acts.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(objective(server(a), y), a)
+        grads.append(g)
+    labels = torch.cat(ys)
+    logits = server(torch.cat([a.detach() for a in activations]))  # one more on the concatenation
+    prior = torch.bincount(labels, minlength=self._ctx.num_classes)
+    loss = fedlt.losses.build(self.server_loss, class_counts=prior, num_classes=self._ctx.num_classes)(logits, labels)
+    server.apply(list(torch.autograd.grad(loss, server.parameters())))
+    return grads, float(loss)
+
+
+def time_iteration(model_name: str, split_at, image: tuple[int, int, int], num_clients: int, variant: str,
+                   iters: int, repeats: int) -> float:
+    torch.manual_seed(0)
+    in_chans, size, _ = image[0], image[1], image[2]
+    ctx = RunContext(num_classes=10, input_shape=image,
+                     build_model=lambda: fedlt.models.build(model_name, in_chans=in_chans, num_classes=10, image_size=size),
+                     split=split_at, server_batch=320, local_iters=iters, local_epochs=None, batch_size=0, lr=0.01,
+                     momentum=0.9, weight_decay=5e-4, clip=10.0, sampling_seed=0, device=torch.device("cpu"))
+    algorithm = SplitLearning()
+    algorithm.setup(ctx)
+    if variant == "authors":
+        algorithm._server_step = authors_server_step.__get__(algorithm)
+    g = torch.Generator().manual_seed(1)
+    clients = []
+    for cid in range(num_clients):
+        n = 600
+        y = (torch.randint(0, 2, (n,), generator=g) + 2 * (cid % 5)) % 10  # two classes per client
+        clients.append(ClientData(cid, torch.randn(n, *image, generator=g), y, torch.bincount(y, minlength=10)))
+    algorithm.train_round(0, clients)  # warm-up
+    best = float("inf")
+    for r in range(repeats):
+        start = time.perf_counter()
+        algorithm.train_round(r + 1, clients)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    settings = [("alexnet s2", "alexnet", "s2", (3, 32, 32)), ("resnet18 @2", "timm:resnet18", "2", (3, 32, 32))]
+    rows = []
+    for label, model, at, image in settings:
+        for k in (10, 50):
+            fused = time_iteration(model, at, image, k, "fused", args.iters, args.repeats)
+            authors = time_iteration(model, at, image, k, "authors", args.iters, args.repeats)
+            rows.append([label, k, round(fused * 1000, 1), round(authors * 1000, 1), round(authors / fused, 2)])
+            print(rows[-1], flush=True)
+    common.report("scala_step", ["model / split", "clients", "fused ms/iter", "authors ms/iter", "authors / fused"], rows,
+                  {"server_batch": 320, "iters_per_round": args.iters, "repeats": args.repeats, "threads": torch.get_num_threads()})
+
+
+if __name__ == "__main__":
+    main()
