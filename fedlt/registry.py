@@ -25,7 +25,8 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     def __init__(self, kind: str, group: str | None = None) -> None:
         self.kind = kind
-        self.group = group if group is not None else f"fedlt.{kind}s"
+        plural = f"{kind}es" if kind.endswith("s") else f"{kind}s"  # loss -> fedlt.losses
+        self.group = group if group is not None else f"fedlt.{plural}"
         self._entries: dict[str, T] = {}
         self._plugins_loaded = False
 

@@ -102,3 +102,17 @@ def test_entry_point_plugins_load_lazily_builtin_wins_broken_warns(fake_distribu
     assert reg.create("dirichlet") == ("dirichlet", 1.0)  # the built-in still wins
     assert "broken" not in reg.list()
     assert reg.list() == ["dirichlet", "quantity", "shards"]
+
+
+def test_entry_point_group_of_each_builtin_kind():
+    import fedlt.aggregators
+    import fedlt.algorithms
+    import fedlt.datasets
+    import fedlt.losses
+    import fedlt.models
+    import fedlt.partitioners
+
+    groups = {m.REGISTRY.group for m in (fedlt.partitioners, fedlt.datasets, fedlt.models, fedlt.losses,
+                                         fedlt.aggregators, fedlt.algorithms)}
+    assert groups == {"fedlt.partitioners", "fedlt.datasets", "fedlt.models", "fedlt.losses",
+                      "fedlt.aggregators", "fedlt.algorithms"}
