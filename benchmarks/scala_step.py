@@ -24,12 +24,12 @@ from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.split import SplitLearning
 
 
-def authors_server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, counts, where):
+def authors_server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, counts, where, replicas):
     grads = []
     for acts, y, objective in zip(activations, ys, objectives):  # one server pass per client
         a = acts.detach().requires_grad_(True)
         (g,) = torch.autograd.grad(objective(server(a), y), a)
-        grads.append(g)
+        grads.append((g, None))
     labels = torch.cat(ys)
     logits = server(torch.cat([a.detach() for a in activations]))  # one more on the concatenation
     prior = torch.bincount(labels, minlength=self._ctx.num_classes)

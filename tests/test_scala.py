@@ -90,8 +90,8 @@ def test_fused_step_matches_authors_way(float64, monkeypatch):
     recorded_client_grads: list[list[torch.Tensor]] = []
     original_step = Replica.step
 
-    def recording_step(self, activations, activation_grad):
-        original_step(self, activations, activation_grad)
+    def recording_step(self, activations, activation_grad, param_grads=None):
+        original_step(self, activations, activation_grad, param_grads)
         recorded_client_grads.append([p.grad.clone() for p in self.params.values()])
 
     monkeypatch.setattr(Replica, "step", recording_step)

@@ -146,3 +146,19 @@ def test_scala_with_another_client_loss_changes_the_client_update_only(client_lo
     assert differs(snapshot(default._client), snapshot(other._client))
     # with T=1 the server step uses the server loss only, at the same pre-step weights
     assert not differs(snapshot(default._server), snapshot(other._server))
+
+
+def test_scala_client_side_weight_term_pulls_clients_towards_the_global_model():
+    """fedprox on SCALA's client side acts on the client weights directly (the server never sees
+    it): with a huge mu the client parts stay closer to where the round started."""
+    clients = clients_with()
+    start = snapshot(make("scala")._client)
+    plain, prox = make("scala", local_iters=3), make("scala", local_iters=3, client_loss="logit_adjust + fedprox(mu=5)")
+    plain.train_round(0, clients)
+    prox.train_round(0, clients)
+
+    def distance(algorithm):
+        end = snapshot(algorithm._client)
+        return sum(float((end[k] - start[k]).pow(2).sum()) for k in start)
+
+    assert distance(prox) < distance(plain)

@@ -39,7 +39,7 @@ def build_objective(expr: str, model: nn.Module, global_state: State, data: Clie
         classifier_weight = None
     objective = fedlt.losses.build(
         expr, class_counts=data.class_counts, num_classes=num_classes, classifier_weight=classifier_weight,
-        global_params=[global_state[name] for name, _ in model.named_parameters()], seed=seed,
+        global_params=[global_state[name] for name, p in model.named_parameters() if p.requires_grad], seed=seed,
     )
     if client_state.get("loss"):
         objective.load_state_dict(client_state["loss"])

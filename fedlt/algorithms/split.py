@@ -49,10 +49,14 @@ class Replica:
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params.values())
 
-    def step(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
-        """Backpropagate ``output`` (a loss, or activations with the gradient the server sent), step."""
+    def step(self, output: torch.Tensor, output_grad: torch.Tensor | None = None,
+             param_grads: list[torch.Tensor] | None = None) -> None:
+        """Backpropagate ``output`` (a loss, or activations with the gradient the server sent),
+        add ``param_grads`` (from weight-space terms such as fedprox, if any), and step."""
         self.optimiser.zero_grad(set_to_none=True)
         output.backward(output_grad)
+        for p, g in zip(self.parameters(), param_grads or []):
+            p.grad = g if p.grad is None else p.grad + g
         self.schedule.clip_(self.parameters())
         self.optimiser.step()
 
@@ -182,28 +186,32 @@ class SplitLearning(BaseModel):
             where = f"round {round_index}, local iteration {step}"
             if self.local_loss:  # the client trains on its own head; the server gets detached activations
                 for k, ((acts, aux_logits), replica) in enumerate(zip(outputs, replicas)):
-                    replica.step(self._client_value(objectives[k], aux_logits, ys[k], teacher, xs[k], f"{where}, client {k}"))
+                    replica.step(self._client_value(objectives[k], aux_logits, ys[k], teacher, xs[k], replica,
+                                                    f"{where}, client {k}"))
                 outputs = [acts.detach() for acts, _ in outputs]
-            grads: list[torch.Tensor | None] = [None] * len(clients)
+            grads: list[tuple | None] = [None] * len(clients)
             for group in groups:
                 server = servers[group[0]] if self.server_mode == "copies" else servers[0]
                 group_grads, loss = self._server_step(
                     server, [outputs[k] for k in group], [xs[k] for k in group], [ys[k] for k in group],
-                    [objectives[k] for k in group], group, teacher, participants_counts, where)
+                    [objectives[k] for k in group], group, teacher, participants_counts, where,
+                    [replicas[k] for k in group])
                 for k, g in zip(group, group_grads):
                     grads[k] = g
                 server_losses.append(loss)
             if not self.local_loss:
-                for replica, acts, grad in zip(replicas, outputs, grads):
-                    replica.step(acts, grad)
+                for replica, acts, (act_grad, param_grads) in zip(replicas, outputs, grads):
+                    replica.step(acts, act_grad, param_grads)
         self._finish_round(clients, replicas, servers, objectives)
         return {"train_loss": sum(server_losses) / len(server_losses)}
 
-    def _server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, participants_counts, where):
+    def _server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, participants_counts, where,
+                     replicas):
         """ONE server forward of the given clients' concatenated activations; the server gradient
         and the clients' activation gradients from the same logits, both at the pre-step server
-        weights; then the server step. Returns the per-client activation gradients (None for
-        local-loss clients) and the server loss."""
+        weights; then the server step. Returns, per client, (activation gradient, gradients of
+        weight-space terms w.r.t. its parameters) — (None, None) for local-loss clients — and
+        the server loss."""
         sizes = [len(y) for y in ys]
         joined = torch.cat([a.detach() for a in activations]).requires_grad_(not self.local_loss)
         labels = torch.cat(ys)
@@ -215,21 +223,30 @@ class SplitLearning(BaseModel):
         check_finite(server_loss, f"{where}, server loss {self.server_loss!r}")
         params = server.parameters()
         server_grads = torch.autograd.grad(server_loss, params, retain_graph=not self.local_loss)
-        joined_grads: list[torch.Tensor | None] = [None] * len(sizes)
+        client_grads: list[tuple] = [(None, None)] * len(sizes)
         if not self.local_loss:
             client_total = sum(
-                self._client_value(o, rows, y, teacher, x, f"{where}, client {k}")
-                for rows, y, o, x, k in zip(logits.split(sizes), ys, objectives, xs, client_ids))
-            (joined_grad,) = torch.autograd.grad(client_total, joined)
-            joined_grads = list(joined_grad.split(sizes))
+                self._client_value(o, rows, y, teacher, x, r, f"{where}, client {k}")
+                for rows, y, o, x, r, k in zip(logits.split(sizes), ys, objectives, xs, replicas, client_ids))
+            # weight-space terms (fedprox) reach the client parameters directly, not via the logits
+            weight_params = [r.parameters() if o.needs_params else [] for r, o in zip(replicas, objectives)]
+            flat = [p for ps in weight_params for p in ps]
+            joined_grad, *param_grads = torch.autograd.grad(client_total, [joined, *flat], allow_unused=True)
+            param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(flat, param_grads)]
+            client_grads = []
+            for act_grad, ps in zip(joined_grad.split(sizes), weight_params):
+                client_grads.append((act_grad, param_grads[: len(ps)] or None))
+                param_grads = param_grads[len(ps):]
         server.apply(list(server_grads))
-        return joined_grads, float(server_loss.detach())
+        return client_grads, float(server_loss.detach())
 
-    def _client_value(self, objective, logits, labels, teacher, x, where: str) -> torch.Tensor:
+    def _client_value(self, objective, logits, labels, teacher, x, replica: Replica, where: str) -> torch.Tensor:
         extra: dict[str, Any] = {}
         if objective.needs_teacher:
             with torch.no_grad():
                 extra["teacher_logits"] = teacher(x)
+        if objective.needs_params:
+            extra["params"] = replica.parameters()
         value = objective(logits, labels, **extra)
         check_finite(value, f"{where}, client loss {self.client_loss!r}")
         return value
