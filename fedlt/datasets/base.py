@@ -38,7 +38,8 @@ class InMemoryDataset:
 
 
 def normalise(images_uint8: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """uint8 (N, C, H, W) -> float32 standardised per channel."""
+    """uint8 (N, C, H, W) -> float32 standardised per channel, channels-last."""
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return (images_uint8.to(torch.float32).div_(255.0) - m).div_(s)
+    images = (images_uint8.to(torch.float32).div_(255.0) - m).div_(s)
+    return images.contiguous(memory_format=torch.channels_last)  # what fedlt's conv models run fastest on
