@@ -4,3 +4,10 @@ from fedlt.registry import Registry
 
 REGISTRY: Registry = Registry("partitioner")
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
+
+from fedlt.partitioners.base import Partition, Partitioner  # noqa: E402
+from fedlt.partitioners import schemes  # noqa: E402,F401  registers the built-ins
+from fedlt.partitioners.schemes import IID, Dirichlet, LongTail, Quantity, Shards  # noqa: E402
+
+__all__ = ["REGISTRY", "Partition", "Partitioner", "IID", "Dirichlet", "Quantity", "Shards", "LongTail",
+           "create", "get", "list", "register"]

@@ -1,0 +1,174 @@
+"""``fedlt partition``: partition a dataset's training labels, print per-client class counts and
+the summary, and optionally write a heatmap (``--plot``) and a reusable partition file (``--save``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fedlt.cli.app import app
+from fedlt.errors import FedltError
+
+# With no scheme flag at all, show what `fedlt run` partitions by default.
+DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
+# A lone scheme flag names its scheme, as in `fedlt run`.
+FLAG_SCHEME = {"beta": "dirichlet", "min_size": "dirichlet", "alpha": "quantity",
+               "shards_per_client": "shards", "imbalance_factor": "longtail"}
+WIDE = 20  # above this many classes, one column per class is unreadable
+
+
+def _check_flags(name: str, flags: dict[str, Any]) -> None:
+    """Name a flag the chosen scheme does not take (pydantic would say only 'extra input')."""
+    import fedlt.partitioners
+
+    fields = getattr(fedlt.partitioners.get(name), "model_fields", None)
+    if fields is None:  # a plugin partitioner that is not a pydantic model: let it judge its params
+        return
+    for flag in flags:
+        if flag not in fields:
+            takes = ", ".join(f"--{f.replace('_', '-')}" for f in fields if f != "then") or "no flags"
+            raise FedltError(f"--{flag.replace('_', '-')} does not apply to {name} (it takes {takes})")
+
+
+def partition_spec(partition: str | None, then: str | None, flags: dict[str, Any]) -> dict[str, Any]:
+    """The ``{"name": ..., **params}`` table implied by the flags.
+
+    With ``--partition longtail`` (or ``--imbalance-factor`` / ``--then`` alone) the scheme flags
+    other than ``--imbalance-factor`` go to the inner partitioner ``--then`` (default ``iid``).
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    if partition is None:
+        schemes = {FLAG_SCHEME[k] for k in given}
+        if then is not None or "longtail" in schemes:
+            partition = "longtail"
+        elif not given:
+            return dict(DEFAULT_PARTITION)
+        elif len(schemes) == 1:
+            partition = schemes.pop()
+        else:
+            flags_given = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise FedltError(f"{flags_given} belong to different partitioners; choose one with --partition")
+    if partition == "longtail":
+        outer = {"imbalance_factor": given.pop("imbalance_factor")} if "imbalance_factor" in given else {}
+        inner = then or "iid"
+        _check_flags(inner, given)
+        return {"name": "longtail", **outer, "then": {"name": inner, **given}}
+    if then is not None:
+        raise FedltError("--then is only meaningful with --partition longtail")
+    _check_flags(partition, given)
+    return {"name": partition, **given}
+
+
+def class_count_table(class_counts, max_rows: int) -> Table:
+    """Rows = clients: samples, classes held, and the count of every class (or the five largest
+    when there are more than ``WIDE`` classes); a zero count is shown as a dim dot."""
+    num_clients, num_classes = class_counts.shape
+    wide = num_classes > WIDE
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_footer=not wide, title="class counts per client")
+    table.add_column("client", justify="right", footer="total")
+    table.add_column("samples", justify="right", footer=str(int(class_counts.sum())))
+    table.add_column("classes", justify="right")
+    if wide:
+        table.add_column("largest classes (class:count)")
+    else:
+        for c in range(num_classes):
+            table.add_column(str(c), justify="right", footer=str(int(class_counts[:, c].sum())))
+    shown = num_clients if max_rows <= 0 else min(num_clients, max_rows)
+    for k in range(shown):
+        row = class_counts[k]
+        cells = [str(k), str(int(row.sum())), str(int((row > 0).sum()))]
+        if wide:
+            top = [c for c in row.argsort(kind="stable")[::-1][:5] if row[c] > 0]
+            cells.append("  ".join(f"{c}:{row[c]}" for c in top))
+        else:
+            cells += [str(int(v)) if v else "[dim]·[/dim]" for v in row]
+        table.add_row(*cells)
+    if shown < num_clients:
+        table.caption = f"… {num_clients - shown} more clients (--max-rows 0 shows all)"
+    return table
+
+
+def summary_table(part, describe: str) -> Table:
+    m, s = part.manifest, part.manifest["summary"]
+    table = Table(box=None, show_header=False, title="summary", title_justify="left", pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+
+    def spread(d: dict) -> str:
+        return f"min {d['min']}  median {d['median']:g}  max {d['max']}  mean {d['mean']:.4g}"
+
+    ds = m["dataset"]
+    imbalance = s["global_imbalance_factor"]
+    table.add_row("partitioner", f"{describe}  ·  {m['num_clients']} clients  ·  seed {m['seed']}")
+    table.add_row("dataset", f"{ds['name']}  ·  {ds['size']} training samples  ·  {m['num_classes']} classes")
+    table.add_row("samples per client", spread(s["samples_per_client"]))
+    table.add_row("classes per client", spread(s["classes_per_client"]))
+    table.add_row("vacant classes per client", spread(s["vacant_classes_per_client"]))
+    table.add_row("assigned samples", f"{s['assigned_samples']} of {ds['size']}"
+                  + (f"  ·  {s['absent_classes']} classes absent" if s["absent_classes"] else ""))
+    table.add_row("global imbalance factor", f"{imbalance:.4g}" if imbalance is not None else "—")
+    table.add_row("sha256", m["sha256"])
+    return table
+
+
+def _print(renderable) -> None:
+    console = Console()
+    if not console.is_terminal:  # piped output: widen rather than wrap or truncate the numbers
+        natural = Console(width=100_000).measure(renderable).maximum  # measure() clamps to the width
+        console = Console(width=max(console.width, natural))
+    console.print(renderable)
+
+
+@app.command("partition")
+def partition_command(
+    dataset: str = typer.Option("mnist", help="dataset whose training labels are partitioned (fedlt list datasets)"),
+    data_root: Optional[Path] = typer.Option(None, help="folder holding the torchvision datasets"),
+    download: bool = typer.Option(False, "--download", help="let torchvision download a missing dataset"),
+    partition: Optional[str] = typer.Option(None, help="iid, dirichlet, quantity, shards, longtail "
+                                            "(default: fedlt run's, quantity with alpha 2)"),
+    alpha: Optional[int] = typer.Option(None, help="quantity: classes per client"),
+    beta: Optional[float] = typer.Option(None, help="dirichlet: concentration"),
+    min_size: Optional[int] = typer.Option(None, help="dirichlet: minimum samples per client (default 10)"),
+    shards_per_client: Optional[int] = typer.Option(None, help="shards: shards per client"),
+    imbalance_factor: Optional[float] = typer.Option(None, help="longtail: n_head / n_tail"),
+    then: Optional[str] = typer.Option(None, help="longtail: the partitioner applied to what is kept (default iid)"),
+    clients: int = typer.Option(100, help="number of clients K"),
+    seed: int = typer.Option(0, help="the data seed (fedlt run --data-seed)"),
+    plot: Optional[Path] = typer.Option(None, help="write a clients × classes heatmap (png, pdf, svg)"),
+    save: Optional[Path] = typer.Option(None, help="write the partition (.npz, reusable with fedlt run "
+                                        "--partition-file) and its manifest beside it (.json)"),
+    max_rows: int = typer.Option(100, help="clients shown in the table; 0 shows all"),
+) -> None:
+    """Partition a dataset's training set among clients and show the class counts per client."""
+    import fedlt.datasets
+    import fedlt.partitioners
+    from fedlt import io
+
+    # checked here, before the dataset is loaded (typer's own range errors bypass the one-line handler)
+    if clients < 1 or seed < 0:
+        raise FedltError(f"--clients must be at least 1 and --seed at least 0 (got {clients} and {seed})")
+    if save is not None and save.suffix != ".npz":
+        raise FedltError(f"--save {save}: the partition file must end in .npz (its manifest goes beside it as .json)")
+    spec = partition_spec(partition, then, dict(alpha=alpha, beta=beta, min_size=min_size,
+                                                shards_per_client=shards_per_client, imbalance_factor=imbalance_factor))
+    partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)  # bad values: ValidationError, exit 2
+    data = fedlt.datasets.create(dataset, root=data_root, download=download)
+    part = partitioner(data.y_train, clients, seed, num_classes=data.num_classes, dataset_name=data.name)
+    describe = partitioner.describe() if hasattr(partitioner, "describe") else part.manifest["name"]
+
+    _print(class_count_table(part.class_counts, max_rows))
+    _print(summary_table(part, describe))
+    if save is not None:
+        part.save(save)
+        io.write_json(save.with_suffix(".json"), part.manifest)
+        typer.echo(f"saved {save} and {save.with_suffix('.json')}")
+    if plot is not None:
+        from fedlt.plots import partition_heatmap
+
+        title = f"{describe}\n{clients} clients, seed {seed}, {data.name}"
+        typer.echo(f"plot {partition_heatmap(part.class_counts, plot, title=title)}")
