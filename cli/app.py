@@ -6,6 +6,11 @@ import sys
 
 import click
 import typer
+
+try:  # typer 0.29 runs on its own vendored copy of click; older typers use click itself
+    from typer._click import exceptions as typer_click
+except ImportError:  # pragma: no cover
+    from click import exceptions as typer_click
 from pydantic import ValidationError
 
 from fedlt.errors import FedltError
@@ -29,12 +34,15 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         command.main(args=argv, prog_name="fedlt", standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except (click.exceptions.Exit, typer.Exit) as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
+        print(f"stopped: {exc}" if str(exc) else "stopped", file=sys.stderr)
         sys.exit(130)
-    except click.UsageError as exc:
+    except getattr(typer_click, "NoArgsIsHelpError", ()) as exc:
+        print(exc.ctx.get_help() if exc.ctx else str(exc))
+        sys.exit(0)
+    except (click.UsageError, typer_click.UsageError) as exc:
         print(f"error: {exc.format_message()}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
     except ValidationError as exc:
