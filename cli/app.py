@@ -15,6 +15,14 @@ from pydantic import ValidationError
 
 from fedlt.errors import FedltError
 
+try:  # typer >= 0.26 vendors click as typer._click and raises its own exception classes
+    from typer._click import exceptions as _typer_click
+except ImportError:  # older typer: click's classes are the ones raised
+    _typer_click = click.exceptions
+USAGE_ERRORS = (click.UsageError, _typer_click.UsageError)
+EXITS = (click.exceptions.Exit, typer.Exit)
+ABORTS = (click.exceptions.Abort, typer.Abort)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
 
 
@@ -51,3 +59,5 @@ def main(argv: list[str] | None = None) -> None:
     except FedltError as exc:
         print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         sys.exit(2)
+    if isinstance(code, int) and code:  # typer returns (not raises) Exit codes, e.g. 130 on Ctrl-C
+        sys.exit(code)
