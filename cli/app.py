@@ -15,14 +15,6 @@ from pydantic import ValidationError
 
 from fedlt.errors import FedltError
 
-try:  # typer >= 0.26 vendors click as typer._click and raises its own exception classes
-    from typer._click import exceptions as _typer_click
-except ImportError:  # older typer: click's classes are the ones raised
-    _typer_click = click.exceptions
-USAGE_ERRORS = (click.UsageError, _typer_click.UsageError)
-EXITS = (click.exceptions.Exit, typer.Exit)
-ABORTS = (click.exceptions.Abort, typer.Abort)
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
 
 
@@ -41,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     command = typer.main.get_command(app)
     try:
-        command.main(args=argv, prog_name="fedlt", standalone_mode=False)
+        code = command.main(args=argv, prog_name="fedlt", standalone_mode=False)
     except (click.exceptions.Exit, typer.Exit) as exc:
         sys.exit(exc.exit_code)
     except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
