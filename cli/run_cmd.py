@@ -39,6 +39,21 @@ def partition_overrides(partition: str | None, then: str | None, flags: dict[str
     return {"name": partition, **given}
 
 
+def check_loss_flags(algorithm: str, given: dict[str, str]) -> None:
+    """--loss is the FedAvg family's objective, --client-loss / --server-loss the split engines':
+    name the right flags instead of pydantic's 'extra inputs are not permitted'."""
+    import fedlt.algorithms
+
+    fields = getattr(type(fedlt.algorithms.create(algorithm)), "model_fields", None)
+    if fields is None:  # not a pydantic algorithm: let the config validation speak
+        return
+    takes = [f"--{name.replace('_', '-')}" for name in ("loss", "client_loss", "server_loss") if name in fields]
+    for name in given:
+        if name not in fields:
+            raise FedltError(f"--{name.replace('_', '-')}: algorithm {algorithm!r} takes "
+                             f"{' / '.join(takes) if takes else 'no loss flag'} instead")
+
+
 @app.command("run")
 def run(
     algo: Optional[str] = typer.Option(None, "--algo", help="algorithm (fedlt list algorithms)"),
@@ -76,6 +91,9 @@ def run(
     train_limit: Optional[int] = typer.Option(None, help="use only the first N training samples"),
     test_limit: Optional[int] = typer.Option(None, help="use only the first N test samples"),
     eval_every: Optional[int] = typer.Option(None),
+    groups: Optional[str] = typer.Option(None, help="many/medium/few rule: count (>100 / 20-100 / <20) or share (75% / 95%)"),
+    client_eval: Optional[bool] = typer.Option(None, "--client-eval/--no-client-eval",
+                                               help="also report each client's expected accuracy (docs/runs.md)"),
     checkpoint_every: Optional[int] = typer.Option(None),
     device: Optional[str] = typer.Option(None),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
@@ -85,9 +103,12 @@ def run(
 ) -> None:
     """Run a federated experiment and write its run directory."""
     from fedlt.config import RunConfig, merge, read_config_file
+    from fedlt.engine import RunStopped
     from fedlt.engine import run as run_experiment
 
     if resume is not None:
+        if config is not None:
+            raise FedltError("--resume continues a run with the settings in its config.json; drop --config")
         if not (resume / "config.json").exists():
             raise FedltError(f"--resume {resume}: no config.json there (not a run directory)")
         config = resume / "config.json"
@@ -97,10 +118,12 @@ def run(
                    partition_file=partition_file, clients=clients, participation=participation, rounds=rounds,
                    server_batch=server_batch, local_iters=local_iters, local_epochs=local_epochs,
                    batch_size=batch_size, train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
-                   checkpoint_every=checkpoint_every, device=device, out=resume or out)
+                   checkpoint_every=checkpoint_every, device=device, client_eval=client_eval, out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if download:
         overrides["download"] = True
+    if groups is not None:
+        overrides["groups"] = {"rule": groups}
     optimiser = {k: v for k, v in dict(lr=lr, momentum=momentum, weight_decay=weight_decay, clip=clip).items() if v is not None}
     if optimiser:
         overrides["optimiser"] = optimiser
@@ -111,6 +134,7 @@ def run(
         overrides["seeds"] = seeds
     algo_params = {k: v for k, v in dict(loss=loss, client_loss=client_loss, server_loss=server_loss).items() if v is not None}
     if algo_params:
+        check_loss_flags(algo or base.get("algorithm", "scala"), algo_params)
         overrides["algorithm_params"] = algo_params
     if algo is not None and algo != base.get("algorithm") and "algorithm_params" in base and not algo_params:
         overrides["algorithm_params"] = {}  # another algorithm's parameters would not fit this one
@@ -125,16 +149,30 @@ def run(
     cfg = RunConfig.model_validate(merge(base, overrides))
 
     console = Console(stderr=True)
+    # transient, and shown only once the run has passed its checks: stderr then holds nothing but
+    # an error's one line when something is wrong
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, disable=quiet)
-    with progress:
-        task = progress.add_task(f"{cfg.algorithm} on {cfg.dataset}", total=cfg.rounds, status="")
+                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, disable=quiet,
+                        transient=True)
+    task = progress.add_task(f"{cfg.algorithm} on {cfg.dataset}", total=cfg.rounds, status="")
 
-        def on_round(done: int, row: dict) -> None:
-            status = f"acc {row['accuracy']:.4f}" if "accuracy" in row else f"loss {row.get('train_loss', float('nan')):.4f}"
-            progress.update(task, completed=done, status=status)
+    def on_start(done: int) -> None:
+        progress.update(task, completed=done)
+        progress.start()
 
-        summary = run_experiment(cfg, resume=resume is not None, on_round=on_round)
+    def on_round(done: int, row: dict) -> None:
+        status = f"acc {row['accuracy']:.4f}" if "accuracy" in row else f"loss {row.get('train_loss', float('nan')):.4f}"
+        progress.update(task, completed=done, status=status)
+
+    try:
+        summary = run_experiment(cfg, resume=resume is not None, on_round=on_round, on_start=on_start)
+    except RunStopped as stop:
+        progress.stop()
+        typer.echo(f"stopped after round {stop.round} (signal {stop.signum}); checkpoint saved; "
+                   f"continue with: fedlt run --resume {stop.out}", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        progress.stop()
     final = summary["final"]
     typer.echo(f"final accuracy {final['accuracy']:.4f}  balanced {final['balanced_accuracy']:.4f}  "
                f"best {summary['best']['accuracy']:.4f} (round {summary['best']['round']})  "

@@ -12,7 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from fedlt.errors import FedltError
 
@@ -30,27 +31,57 @@ def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any
         registry.create(spec["name"], **params)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"{spec['name']}: {problems}") from None
+        raise ValueError(_one_line(f"{spec['name']}: {problems}")) from None
     except (FedltError, TypeError) as exc:
-        raise ValueError(str(exc)) from None
+        raise ValueError(_one_line(str(exc))) from None
     return spec
+
+
+def _one_line(message: str) -> str:
+    """The CLI promises one line per error, whatever a component put in its message."""
+    return " ".join(message.split())
 
 
 class Seeds(Strict):
     """Three independent streams (SPEC §6): changing one leaves the others' draws unchanged."""
 
-    data: int = Field(0, ge=0, description="partition of the training set")
-    model: int = Field(0, ge=0, description="model initialisation")
-    sampling: int = Field(0, ge=0, description="client sampling and local minibatch order")
+    # 2**63 - 1: the largest seed every consumer (numpy, torch.manual_seed) accepts
+    data: int = Field(0, ge=0, le=2**63 - 1, description="partition of the training set")
+    model: int = Field(0, ge=0, le=2**63 - 1, description="model initialisation")
+    sampling: int = Field(0, ge=0, le=2**63 - 1,
+                          description="client sampling, local minibatch order and every other training draw")
 
 
 class Optimiser(Strict):
     """SGD on both sides (SCALA authors' defaults); ``clip`` is the total gradient norm per side."""
 
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
-    clip: float | None = Field(10.0, gt=0)
+    lr: float = Field(0.01, gt=0, allow_inf_nan=False)
+    momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
+    weight_decay: float = Field(5e-4, ge=0, allow_inf_nan=False)
+    clip: float | None = Field(10.0, gt=0, allow_inf_nan=False)
+
+
+class Groups(Strict):
+    """Many / medium / few classes by their global training count (SPEC §5).
+
+    ``count`` (default): many > ``many_above`` (100), few < ``few_below`` (20), medium otherwise.
+    ``share`` (Fed-GraB): classes sorted by count; many = the head holding the first
+    ``many_share`` (75%) of the samples, medium = up to ``medium_share`` (95%), few = the rest.
+    """
+
+    rule: Literal["count", "share"] = "count"
+    many_above: int = Field(100, ge=0)
+    few_below: int = Field(20, ge=0)
+    many_share: float = Field(0.75, gt=0, lt=1, allow_inf_nan=False)
+    medium_share: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Groups":
+        if self.few_below > self.many_above + 1:  # otherwise a class could be both many and few
+            raise ValueError(f"few_below ({self.few_below}) must be at most many_above + 1 ({self.many_above + 1})")
+        if self.medium_share <= self.many_share:
+            raise ValueError(f"medium_share ({self.medium_share}) must exceed many_share ({self.many_share})")
+        return self
 
 
 class RunConfig(Strict):
@@ -72,7 +103,8 @@ class RunConfig(Strict):
     algorithm_params: dict[str, Any] = Field(default_factory=dict)
     # schedule
     rounds: PositiveInt = 10
-    participation: float = Field(0.1, gt=0, le=1, description="fraction r of clients sampled per round")
+    participation: float = Field(0.1, gt=0, le=1, allow_inf_nan=False,
+                                 description="fraction r of clients sampled per round")
     server_batch: PositiveInt = Field(320, description="B: the server's batch; client k takes B_k ∝ |D_k|")
     local_iters: PositiveInt = Field(5, description="T local iterations per round")
     local_epochs: PositiveInt | None = Field(None, description="epoch-based local training (FedAvg family)")
@@ -82,6 +114,8 @@ class RunConfig(Strict):
     # execution and output
     device: str = "cpu"
     eval_every: PositiveInt = 1
+    groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")
+    client_eval: bool = Field(False, description="also report each client's expected accuracy (docs/runs.md)")
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
     eval_batch: PositiveInt = 2048
     out: Path = Path("runs/latest")
@@ -109,22 +143,52 @@ class RunConfig(Strict):
 
         return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
 
+    @field_validator("partition_file")
+    @classmethod
+    def _existing_partition_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no file at {path}")
+        return path
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        if name.startswith("timm:"):
+            if not name.removeprefix("timm:"):
+                raise ValueError("'timm:' needs a model name, e.g. timm:resnet18")
+            return name  # timm is slow to import; the engine builds (and checks) the model before training
+        import fedlt.models
+
+        fedlt.models.get(name)
+        return name
+
     @field_validator("device")
     @classmethod
     def _valid_device(cls, device: str) -> str:
         import torch
 
         try:
-            torch.device(device)
+            kind = torch.device(device).type
         except RuntimeError:
             raise ValueError(f"{device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                     "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+        if kind not in available:
+            raise ValueError(f"{device!r}: fedlt runs on cpu, cuda or mps")
+        if not available[kind]:
+            raise ValueError(f"{device!r}: no {kind} device is available here")
         return device
 
-    @model_validator(mode="after")
-    def _valid_algorithm_params(self) -> "RunConfig":
-        _check_component(__import__("fedlt.algorithms").algorithms.REGISTRY,
-                         {"name": self.algorithm, **self.algorithm_params}, "algorithm_params")
-        return self
+    @field_validator("algorithm_params")
+    @classmethod
+    def _valid_algorithm_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        import fedlt.algorithms
+
+        if "name" in params:
+            raise ValueError("the algorithm is chosen by 'algorithm', not by a 'name' among its parameters")
+        if "algorithm" in info.data:  # else the algorithm itself is already reported as invalid
+            _check_component(fedlt.algorithms.REGISTRY, {"name": info.data["algorithm"], **params}, "algorithm_params")
+        return params
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

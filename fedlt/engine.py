@@ -6,8 +6,16 @@
 
 A run directory holds ``config.json`` (resolved), ``partition.json`` (manifest),
 ``partition.npz`` (the indices, reusable with ``partition_file``), ``metrics.jsonl`` (one line
-per evaluated round), ``checkpoint.pt`` and, when done, ``summary.json``. Every file is written
-atomically; ``run(config, resume=True)`` continues from the checkpoint exactly.
+per evaluated round), ``checkpoint.pt`` (+ ``checkpoint.json``, its round in plain text) and,
+when done, ``summary.json``. Every file is written atomically; ``run(config, resume=True)``
+continues from the checkpoint exactly (docs/runs.md).
+
+Randomness (SPEC §6): the data seed drives only the partition (saved with the run), the model
+seed only the initial weights (saved in every checkpoint), and the sampling seed every draw made
+during training — client sampling, minibatch orders, and any use of torch's global generator
+(dropout, ...) — each derived from (sampling seed, round[, client]) rather than carried, so a
+resumed round draws exactly what the uninterrupted run drew. Stateful generators that live
+across rounds (SGB's gating) are part of the client states in the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,10 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +39,24 @@ import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
 from fedlt import io
-from fedlt.algorithms.base import ClientData, RunContext
+from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext
 from fedlt.config import RunConfig
 from fedlt.datasets.base import InMemoryDataset
 from fedlt.errors import FedltError
 from fedlt.metrics import class_groups, evaluate
 
-CHECKPOINT_FORMAT = "fedlt-checkpoint-1"
+CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
+# Settings that may differ between a run and its resumption: where it goes, how long it runs, and
+# what does not change a single number (device placement aside, which users may move on purpose).
+RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "eval_batch"}
+
+
+class RunStopped(KeyboardInterrupt):
+    """SIGINT / SIGTERM: the run finished its current round, saved a checkpoint, and stopped."""
+
+    def __init__(self, signum: int, round_done: int, out: Path) -> None:
+        super().__init__(f"stopped by signal {signum} after round {round_done}; resume with: fedlt run --resume {out}")
+        self.signum, self.round, self.out = signum, round_done, out
 
 
 def load_data(config: RunConfig) -> InMemoryDataset:
@@ -47,15 +67,20 @@ def load_data(config: RunConfig) -> InMemoryDataset:
 def make_partition(config: RunConfig, data: InMemoryDataset):
     labels = data.y_train.numpy()
     if config.partition_file is not None:
-        partition = fedlt.partitioners.Partition.load(config.partition_file)
+        partition = load_partition(config.partition_file)
         partition.check_dataset(labels, data.name)
-        if len(partition.client_indices) != config.clients:
-            raise FedltError(f"partition_file {config.partition_file} has {len(partition.client_indices)} clients "
-                             f"but clients={config.clients}")
-        return partition
-    spec = dict(config.partition)
-    partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
-    return partitioner(labels, config.clients, config.seeds.data, num_classes=data.num_classes, dataset_name=data.name)
+    else:
+        spec = dict(config.partition)
+        partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
+        partition = partitioner(labels, config.clients, config.seeds.data, num_classes=data.num_classes,
+                                dataset_name=data.name)
+    if len(partition.client_indices) != config.clients:
+        raise FedltError(f"the partition has {len(partition.client_indices)} clients but clients={config.clients}")
+    return partition
+
+
+def load_partition(path: Path):
+    return fedlt.partitioners.Partition.load(path)
 
 
 def sample_clients(num_clients: int, participation: float, sampling_seed: int, round_index: int) -> list[int]:
@@ -66,10 +91,78 @@ def sample_clients(num_clients: int, participation: float, sampling_seed: int, r
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
 
 
+def round_seed(sampling_seed: int, round_index: int) -> int:
+    """Seed of torch's global generator during one round (a stream apart from sample_clients')."""
+    words = np.random.SeedSequence([sampling_seed, round_index, 0x70C4]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
 def config_digest(config: RunConfig) -> str:
-    """What must match for a resume: everything but where the output goes and the round count."""
-    relevant = config.model_dump(mode="json", exclude={"out", "rounds"})
+    """What must match for a resume: every setting that can change a number in the results."""
+    relevant = config.model_dump(mode="json", exclude=RESUMABLE_CHANGES)
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+def config_changes(saved: dict[str, Any], config: RunConfig) -> list[str]:
+    """Settings (dotted names) whose value differs from ``saved`` (a config.json), ignoring the
+    ones a resume may change."""
+    now = config.model_dump(mode="json")
+
+    def walk(a: Any, b: Any, prefix: str) -> Iterator[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                yield from walk(a.get(key), b.get(key), f"{prefix}{key}.")
+        elif a != b:
+            yield prefix.rstrip(".")
+
+    return [name for name in walk(saved, now, "") if name.split(".")[0] not in RESUMABLE_CHANGES]
+
+
+def group_classes(train_counts: np.ndarray, config: RunConfig) -> dict[str, np.ndarray]:
+    g = config.groups
+    return class_groups(train_counts, rule=g.rule, thresholds=(g.many_above, g.few_below),
+                        shares=(g.many_share, g.medium_share))
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs before its first round; building it checks what only the data and
+    the model can tell (partition parameters against the classes, the split point against the
+    model), so a bad setting fails before anything is trained or written."""
+
+    config: RunConfig
+    data: InMemoryDataset
+    partition: Any
+    counts: torch.Tensor  # K×C int64
+    groups: dict[str, np.ndarray]
+    algorithm: Any
+
+
+def prepare(config: RunConfig, partition: Any = None) -> Prepared:
+    data = load_data(config)
+    if partition is None:
+        partition = make_partition(config, data)
+    counts = torch.as_tensor(np.asarray(partition.class_counts), dtype=torch.int64)
+    if counts.shape[1] != data.num_classes:
+        raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
+    device = torch.device(config.device)
+
+    def build_model() -> torch.nn.Module:
+        return fedlt.models.build(config.model, in_chans=data.in_chans, num_classes=data.num_classes,
+                                  image_size=data.image_size)
+
+    ctx = RunContext(
+        num_classes=data.num_classes, input_shape=tuple(data.x_train.shape[1:]), build_model=build_model,
+        split=config.split, server_batch=config.server_batch, local_iters=config.local_iters,
+        local_epochs=config.local_epochs, batch_size=config.batch_size, lr=config.optimiser.lr,
+        momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
+        sampling_seed=config.seeds.sampling, device=device,
+    )
+    algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
+    with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
+        torch.manual_seed(config.seeds.model)
+        algorithm.setup(ctx)  # builds (and splits) the model: split={config.split} is checked here
+    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm)
 
 
 @dataclass
@@ -77,14 +170,24 @@ class RunState:
     round: int  # rounds completed
     metrics: list[dict]
     wall_time: float
+    checkpoint_round: int | None = None  # the round of the checkpoint on disk, if any
+    stop_signal: int | None = field(default=None, repr=False)
 
 
 @contextmanager
-def checkpoint_on_signal(save: Callable[[], None]):
-    """On SIGINT/SIGTERM: save a checkpoint, then stop with KeyboardInterrupt."""
+def stop_on_signal(state: RunState) -> Iterator[None]:
+    """SIGINT/SIGTERM ask the loop to stop after the current round (which is then checkpointed):
+    a checkpoint taken mid-round would not resume exactly. A second signal stops at once, and the
+    last checkpoint on disk stands. Outside the main thread signals cannot be caught; nothing is
+    installed then."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def handler(signum, frame):
-        save()
-        raise KeyboardInterrupt(f"stopped by signal {signum}; resume with --resume")
+        if state.stop_signal is not None:
+            raise KeyboardInterrupt(f"stopped at once by a second signal {signum}")
+        state.stop_signal = signum
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -94,71 +197,115 @@ def checkpoint_on_signal(save: Callable[[], None]):
             signal.signal(s, h)
 
 
+def _check_model_finite(model: torch.nn.Module, where: str) -> None:
+    for name, tensor in model.state_dict().items():
+        # a float64 sum of float32 values cannot overflow, so it is finite iff every value is;
+        # one reduction instead of a boolean copy of the weights
+        if tensor.is_floating_point() and not torch.isfinite(tensor.sum(dtype=torch.float64)):
+            raise NonFiniteLoss(f"non-finite weights in {name} of the global model after {where}")
+
+
+def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig) -> RunState:
+    if saved["config_digest"] != config_digest(config):
+        raise FedltError(f"{path} was written by a different configuration; resume it with the settings in its "
+                         "config.json")
+    if saved["partition_sha256"] != prep.partition.sha256:
+        raise FedltError(f"{path} belongs to another partition (sha256 {saved['partition_sha256'][:12]}…, "
+                         f"this run's is {prep.partition.sha256[:12]}…)")
+    if not 0 <= saved["round"] <= config.rounds:
+        raise FedltError(f"{path} is at round {saved['round']}, beyond rounds={config.rounds}")
+    try:
+        prep.algorithm.load_state_dict(saved["algorithm"])
+    except (KeyError, RuntimeError, ValueError, TypeError, FedltError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise FedltError(f"{path} does not fit this run's model or algorithm ({reason})") from None
+    return RunState(saved["round"], list(saved["metrics"]), saved["wall_time"], checkpoint_round=saved["round"])
+
+
 def run(config: RunConfig, *, resume: bool = False,
-        on_round: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        on_round: Callable[[int, dict[str, Any]], None] | None = None,
+        on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Run (or, with ``resume``, continue) the experiment ``config`` in ``config.out``.
+
+    ``on_start(rounds_done)`` is called once every check has passed, just before the first round
+    (a progress display starts there); ``on_round(rounds_done, row)`` after every round.
+
+    Raises FedltError for bad settings (before anything is written), NonFiniteLoss when a loss or
+    the global model stops being finite (the last good checkpoint stays), and RunStopped after
+    saving a checkpoint when SIGINT/SIGTERM arrives.
+    """
     out = Path(config.out)
     checkpoint_path = out / "checkpoint.pt"
-    if not resume and (out / "metrics.jsonl").exists():
+    partition = None
+    if resume:
+        if not (out / "config.json").is_file() or not (out / "partition.npz").is_file():
+            raise FedltError(f"cannot resume {out}: it holds no run (config.json and partition.npz are missing)")
+        changed = config_changes(io.read_json(out / "config.json", "run configuration"), config)
+        if changed:
+            raise FedltError(f"cannot resume {out} with changed settings: {', '.join(changed)} "
+                             "(only rounds, out, device, data_root, eval_batch, checkpoint_every may change)")
+        partition = load_partition(out / "partition.npz")
+    elif (out / "metrics.jsonl").exists() or checkpoint_path.exists():
         raise FedltError(f"output directory {out} already holds a run; use another --out, or --resume it")
+
+    prep = prepare(config, partition)
+    if resume:
+        prep.partition.check_dataset(prep.data.y_train.numpy(), prep.data.name)
+    algorithm, data = prep.algorithm, prep.data
     device = torch.device(config.device)
 
-    data = load_data(config)
-    partition = make_partition(config, data)
-    counts = torch.as_tensor(np.asarray(partition.class_counts), dtype=torch.int64)
-    groups = class_groups(counts.sum(0).numpy())
-
-    def build_model() -> torch.nn.Module:
-        return fedlt.models.build(config.model, in_chans=data.in_chans, num_classes=data.num_classes,
-                                  image_size=data.image_size)
-
-    ctx = RunContext(
-        num_classes=data.num_classes, input_shape=tuple(data.x_train.shape[1:]), build_model=build_model, split=config.split,
-        server_batch=config.server_batch, local_iters=config.local_iters, local_epochs=config.local_epochs,
-        batch_size=config.batch_size, lr=config.optimiser.lr, momentum=config.optimiser.momentum,
-        weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
-        sampling_seed=config.seeds.sampling, device=device,
-    )
-    algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
-    torch.manual_seed(config.seeds.model)
-    algorithm.setup(ctx)
-
     state = RunState(round=0, metrics=[], wall_time=0.0)
-    if resume:
-        saved = io.load_checkpoint(checkpoint_path)
-        if saved["config_digest"] != config_digest(config):
-            raise FedltError(f"{out}: the checkpoint was written by a different configuration")
-        algorithm.load_state_dict(saved["algorithm"])
-        torch.set_rng_state(saved["torch_rng"])
-        state = RunState(saved["round"], list(saved["metrics"]), saved["wall_time"])
-        io.write_lines(out / "metrics.jsonl", state.metrics)  # drop lines written after the checkpoint
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        io.write_json(out / "config.json", config.model_dump(mode="json"))
-        io.write_json(out / "partition.json", partition.manifest)
-        partition.save(out / "partition.npz")
-        io.write_lines(out / "metrics.jsonl", [])
+    if resume and checkpoint_path.exists():
+        state = _restore(prep, io.load_checkpoint(checkpoint_path), checkpoint_path, config)
+    # nothing has been written up to here: a bad setting or checkpoint leaves the directory as it was
+    io.write_json(out / "config.json", config.model_dump(mode="json"))
+    if not resume:
+        io.write_json(out / "partition.json", prep.partition.manifest)
+        prep.partition.save(out / "partition.npz")
+    io.write_lines(out / "metrics.jsonl", state.metrics)  # on resume: drop lines written after the checkpoint
+    (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is rewritten at its end
 
     def save_checkpoint() -> None:
         io.save_checkpoint(checkpoint_path, {
-            "format": CHECKPOINT_FORMAT, "config_digest": config_digest(config), "round": state.round,
-            "algorithm": algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
-            "metrics": state.metrics, "wall_time": state.wall_time,
+            "format": CHECKPOINT_FORMAT, "config_digest": config_digest(config),
+            "partition_sha256": prep.partition.sha256, "round": state.round,
+            "algorithm": algorithm.state_dict(), "metrics": state.metrics, "wall_time": float(state.wall_time),
         })
+        state.checkpoint_round = state.round
+        io.write_json(out / "checkpoint.json", {"round": state.round, "file": checkpoint_path.name,
+                                                "bytes": checkpoint_path.stat().st_size})
+
+    def kept() -> str:
+        if state.checkpoint_round is None:
+            return "no checkpoint had been written yet"
+        return f"the last good checkpoint (round {state.checkpoint_round}) is kept in {checkpoint_path}"
 
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    with checkpoint_on_signal(save_checkpoint):
+    if on_start is not None:
+        on_start(state.round)
+    client_counts = prep.counts.numpy() if config.client_eval else None
+    with stop_on_signal(state):
         while state.round < config.rounds:
             started = time.perf_counter()
             round_index = state.round
             chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
             clients = []
             for cid in chosen:
-                idx = torch.as_tensor(partition.client_indices[cid], dtype=torch.long, device=device)
-                clients.append(ClientData(cid, x_train[idx], y_train[idx], counts[cid].to(device)))
-            row: dict[str, Any] = {"round": round_index + 1, **algorithm.train_round(round_index, clients)}
+                idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
+                clients.append(ClientData(cid, x_train[idx], y_train[idx], prep.counts[cid].to(device)))
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(round_seed(config.seeds.sampling, round_index))
+                    row: dict[str, Any] = {"round": round_index + 1, **algorithm.train_round(round_index, clients)}
+                _check_model_finite(algorithm.global_model(), "aggregation")
+            except NonFiniteLoss as exc:
+                raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None
             if (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds:
                 row.update(evaluate(algorithm.global_model(), data.x_test, data.y_test.cpu(), data.num_classes,
-                                    groups, config.eval_batch, device))
+                                    prep.groups, config.eval_batch, device, client_counts))
+                if not np.isfinite(row["loss"]):  # finite weights whose logits overflow float32
+                    raise NonFiniteLoss(f"round {round_index + 1}: the global model's test loss is {row['loss']} "
+                                        f"(its logits overflow); {kept()}")
             state.wall_time += time.perf_counter() - started
             state.round += 1
             if "accuracy" in row:
@@ -168,19 +315,28 @@ def run(config: RunConfig, *, resume: bool = False,
                 save_checkpoint()
             if on_round is not None:
                 on_round(state.round, row)
+            if state.stop_signal is not None and state.round < config.rounds:
+                if state.checkpoint_round != state.round:
+                    save_checkpoint()
+                raise RunStopped(state.stop_signal, state.round, out)
 
-    summary = summarise(state, config)
+    summary = summarise(state, config, prep)
     io.write_json(out / "summary.json", summary)
     return summary
 
 
-def summarise(state: RunState, config: RunConfig) -> dict[str, Any]:
+def summarise(state: RunState, config: RunConfig, prep: Prepared) -> dict[str, Any]:
+    """The run in one file: the final and the best evaluated round, and what they were measured on."""
     final = state.metrics[-1]
-    best = max(state.metrics, key=lambda r: r["accuracy"])
-    keep = ("accuracy", "balanced_accuracy", "loss", "many_accuracy", "medium_accuracy", "few_accuracy")
+    best = max(state.metrics, key=lambda r: r["accuracy"])  # the earliest round on ties
+    keep = ("accuracy", "balanced_accuracy", "loss", "many_accuracy", "medium_accuracy", "few_accuracy",
+            "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
     return {
-        "algorithm": config.algorithm, "dataset": config.dataset, "rounds": state.round,
-        "final": {k: final.get(k) for k in keep} | {"per_class_accuracy": final["per_class_accuracy"]},
+        "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model, "rounds": state.round,
+        "partition": {"name": prep.partition.manifest.get("name"), "sha256": prep.partition.sha256},
+        "groups": {"rule": config.groups.rule} | {k: v.tolist() for k, v in prep.groups.items()},
+        "final": {"round": final["round"]} | {k: final[k] for k in keep if k in final}
+                 | {"per_class_accuracy": final["per_class_accuracy"]},
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
     }

@@ -49,7 +49,8 @@ def class_groups(train_counts: np.ndarray, rule: Literal["count", "share"] = "co
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_classes: int,
                            groups: dict[str, np.ndarray] | None = None) -> dict:
     """accuracy, balanced_accuracy (mean over classes present in the test set), per_class_accuracy,
-    loss (mean CE) and, given ``groups``, ``<group>_accuracy`` (mean per-class accuracy in the group)."""
+    loss (mean CE over the test set, in float64) and, given ``groups``, ``<group>_accuracy`` (mean
+    per-class accuracy in the group; None when no class of the group is in the test set)."""
     pred = logits.argmax(1)
     correct = torch.bincount(labels[pred == labels], minlength=num_classes).double()
     total = torch.bincount(labels, minlength=num_classes).double()
@@ -68,7 +69,33 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_class
     return out
 
 
+def client_metrics(per_class_accuracy: list[float | None], client_class_counts: np.ndarray) -> dict:
+    """Each client's expected accuracy on test data following its own label distribution.
+
+    a_k = Σ_c p_kc·acc_c / Σ_c p_kc, the sums over the classes present in the test set, with
+    p_k = n_k / |D_k| the client's training label distribution and acc_c the global model's
+    per-class test accuracy (so no client test set is needed, and a balanced test set estimates
+    every class equally well). Returns the mean, minimum and standard deviation of a_k over all
+    clients; a client none of whose classes are in the test set is left out.
+    """
+    acc = np.array([np.nan if a is None else a for a in per_class_accuracy], dtype=np.float64)
+    counts = np.asarray(client_class_counts, dtype=np.float64)
+    present = ~np.isnan(acc)
+    weight = counts[:, present]
+    held = weight.sum(1)
+    scores = (weight @ acc[present])[held > 0] / held[held > 0]
+    if scores.size == 0:
+        return {"client_mean_accuracy": None, "client_min_accuracy": None, "client_std_accuracy": None}
+    return {"client_mean_accuracy": float(scores.mean()), "client_min_accuracy": float(scores.min()),
+            "client_std_accuracy": float(scores.std())}
+
+
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
              groups: dict[str, np.ndarray] | None = None, batch_size: int = 2048,
-             device: str | torch.device = "cpu") -> dict:
-    return classification_metrics(predict(model, x, batch_size, device), y, num_classes, groups)
+             device: str | torch.device = "cpu", client_class_counts: np.ndarray | None = None) -> dict:
+    """``classification_metrics`` of ``model`` on (x, y), plus ``client_metrics`` when the K×C
+    ``client_class_counts`` are given."""
+    out = classification_metrics(predict(model, x, batch_size, device), y, num_classes, groups)
+    if client_class_counts is not None:
+        out.update(client_metrics(out["per_class_accuracy"], client_class_counts))
+    return out

@@ -1,0 +1,214 @@
+"""Compare finished (or stopped) runs: one table, and figures written as PNG files.
+
+A run directory is read, never written: ``summary.json`` when the run finished, else
+``metrics.jsonl`` (and ``checkpoint.json`` for how far it got), plus ``config.json`` and
+``partition.json``. ``rows(runs)`` is the table as plain data; ``table(runs)`` renders it with
+rich; ``write_plots(runs, folder)`` draws
+
+- ``accuracy.png``: top-1 and balanced accuracy per evaluated round, every run on the same axes;
+- ``per_class.png``: the final per-class accuracy of every run, as grouped bars;
+- ``partition-<run>.png``: each run's clients × classes count heatmap (``fedlt.plots``).
+
+matplotlib is imported only when a figure is drawn, on its Agg canvas (no display, no pyplot
+state).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedlt import io
+from fedlt.errors import FedltError
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    config: dict[str, Any]
+    metrics: list[dict[str, Any]]  # one row per evaluated round
+    summary: dict[str, Any] | None  # None while the run is unfinished
+    manifest: dict[str, Any] | None  # the partition manifest, if the run saved one
+    checkpoint_round: int | None
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.metrics[-1]
+
+    @property
+    def best(self) -> dict[str, Any]:
+        return max(self.metrics, key=lambda r: r["accuracy"])  # the earliest round on ties
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # a run killed mid-write leaves a torn last line; its resume rewrites it
+                break
+            raise FedltError(f"{path}: line {number} is not JSON") from None
+        if isinstance(row, dict) and "accuracy" in row and "round" in row:
+            rows.append(row)
+    return rows
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    """Read one run directory; a one-line FedltError when it is not one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FedltError(f"{path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise FedltError(f"{path} is not a fedlt run directory (no config.json)")
+    config = io.read_json(path / "config.json", "run configuration")
+    summary = io.read_json(path / "summary.json", "run summary") if (path / "summary.json").is_file() else None
+    manifest = io.read_json(path / "partition.json", "partition manifest") if (path / "partition.json").is_file() else None
+    checkpoint = io.read_json(path / "checkpoint.json", "checkpoint record") if (path / "checkpoint.json").is_file() else {}
+    metrics = _read_metrics(path / "metrics.jsonl")
+    if not metrics:
+        raise FedltError(f"{path} has no evaluated round yet (metrics.jsonl is empty)")
+    return Run(path, label or path.name, config, metrics, summary, manifest, checkpoint.get("round"))
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Runs labelled by their directory name, or by their path where names repeat."""
+    paths = [Path(p) for p in paths]
+    names = [p.resolve().name for p in paths]
+    labels = [p.name if names.count(p.resolve().name) == 1 else str(p) for p in paths]
+    return [load_run(p, label) for p, label in zip(paths, labels)]
+
+
+def rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One dict per run: what the table shows, unformatted."""
+    out = []
+    for run in runs:
+        final, best = run.final, run.best
+        target = run.config.get("rounds")
+        done = run.summary["rounds"] if run.summary else (run.checkpoint_round or final["round"])
+        out.append({
+            "run": run.label, "algorithm": run.config.get("algorithm"), "dataset": run.config.get("dataset"),
+            "rounds": done, "target_rounds": target, "finished": run.finished,
+            "final_accuracy": final["accuracy"], "best_accuracy": best["accuracy"], "best_round": best["round"],
+            "balanced_accuracy": final.get("balanced_accuracy"), "many_accuracy": final.get("many_accuracy"),
+            "medium_accuracy": final.get("medium_accuracy"), "few_accuracy": final.get("few_accuracy"),
+            "wall_time_s": run.summary.get("wall_time_s") if run.summary else None,
+        })
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def table(runs: list[Run]):
+    """A rich Table comparing the runs (accuracies in %)."""
+    from rich.table import Table
+
+    t = Table(title="fedlt runs (accuracies in %)")
+    for name in ("run", "algorithm", "dataset", "rounds"):
+        t.add_column(name, no_wrap=True)
+    for name in ("final", "best (round)", "balanced", "many", "medium", "few", "wall"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in rows(runs):
+        rounds = f"{r['rounds']}/{r['target_rounds']}" + ("" if r["finished"] else " unfinished")
+        wall = "–" if r["wall_time_s"] is None else f"{r['wall_time_s']:.1f}s"
+        t.add_row(r["run"], str(r["algorithm"]), str(r["dataset"]), rounds, _pct(r["final_accuracy"]),
+                  f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
+                  _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall)
+    return t
+
+
+# -- figures ------------------------------------------------------------------------------------
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    # PNG through a temporary file: a half-drawn figure never replaces a good one
+    io._atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    return path
+
+
+def plot_accuracy(runs: list[Run], path: Path) -> Path:
+    fig = _figure(11, 4.2)
+    top, balanced = fig.subplots(1, 2, sharey=True)
+    for run in runs:
+        x = [r["round"] for r in run.metrics]
+        marker = "o" if len(x) <= 30 else None
+        line, = top.plot(x, [100 * r["accuracy"] for r in run.metrics], marker=marker, markersize=3, label=run.label)
+        balanced.plot(x, [100 * r["balanced_accuracy"] for r in run.metrics], marker=marker, markersize=3,
+                      color=line.get_color(), label=run.label)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax, title in ((top, "top-1 accuracy"), (balanced, "balanced accuracy")):
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    top.set_ylabel("test accuracy (%)")
+    balanced.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def plot_per_class(runs: list[Run], path: Path) -> Path:
+    import numpy as np
+
+    num_classes = max(len(run.final["per_class_accuracy"]) for run in runs)
+    fig = _figure(float(np.clip(0.35 * num_classes * max(len(runs), 1) ** 0.5 + 3, 6, 24)), 4.2)
+    ax = fig.add_subplot()
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        acc = [np.nan if a is None else 100 * a for a in run.final["per_class_accuracy"]]
+        ax.bar(np.arange(len(acc)) + (k - (len(runs) - 1) / 2) * width, acc, width=width,
+               label=f"{run.label} (round {run.final['round']})")
+    ax.set_xlabel("class")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_title("per-class accuracy")
+    ax.set_ylim(0, 100)
+    if num_classes <= 40:
+        ax.set_xticks(range(num_classes))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _file_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
+
+
+def write_plots(runs: list[Run], folder: str | Path) -> list[Path]:
+    """Write the figures into ``folder`` (created if needed); returns the files written."""
+    from fedlt.plots import partition_heatmap
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [plot_accuracy(runs, folder / "accuracy.png"), plot_per_class(runs, folder / "per_class.png")]
+    used: set[str] = set()
+    for run in runs:
+        if run.manifest is None or "class_counts" not in run.manifest:
+            continue
+        name = _file_label(run.label)
+        while name in used:  # two labels that differ only in characters a file name cannot hold
+            name += "_"
+        used.add(name)
+        title = f"{run.label}: {run.manifest.get('name', 'partition')} partition"
+        written.append(partition_heatmap(run.manifest["class_counts"], folder / f"partition-{name}.png", title=title))
+    return written
