@@ -14,6 +14,7 @@ from torch import nn
 
 from fedlt.errors import FedltError
 from fedlt.models.alexnet import MLP, AlexNet
+from fedlt.models.splitting import SPLITTERS, SplitPoint, cut_points, split_points  # noqa: F401
 from fedlt.registry import Registry
 
 REGISTRY: Registry = Registry("model")
