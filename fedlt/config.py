@@ -102,7 +102,7 @@ class RunConfig(Strict):
     algorithm: str = "scala"
     algorithm_params: dict[str, Any] = Field(default_factory=dict)
     # schedule
-    rounds: PositiveInt = 10
+    rounds: PositiveInt = Field(25, description="communication rounds (default: fits 3 minutes of SCALA on MNIST on 2 CPU cores)")
     participation: float = Field(0.1, gt=0, le=1, allow_inf_nan=False,
                                  description="fraction r of clients sampled per round")
     server_batch: PositiveInt = Field(320, description="B: the server's batch; client k takes B_k ∝ |D_k|")
@@ -113,7 +113,7 @@ class RunConfig(Strict):
     seeds: Seeds = Field(default_factory=Seeds)
     # execution and output
     device: str = "cpu"
-    eval_every: PositiveInt = 1
+    eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
     groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")
     client_eval: bool = Field(False, description="also report each client's expected accuracy (docs/runs.md)")
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")

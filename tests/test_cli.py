@@ -18,7 +18,7 @@ SMALL = ["--train-limit", "3000", "--test-limit", "500", "--clients", "10", "--p
 def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "fedlt.cli", "run", "--algo", "scala", "--split", "s2", "--rounds", "2",
+        [sys.executable, "-m", "fedlt.cli", "run", "--algo", "scala", "--split", "s2", "--rounds", "2", "--eval-every", "1",
          "--out", str(out), *SMALL],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
