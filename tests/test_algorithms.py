@@ -114,7 +114,7 @@ def test_iteration_schedule_draws_without_replacement_then_reshuffles():
 
 @pytest.mark.parametrize("name", fedlt.algorithms.list())
 def test_every_registered_algorithm_runs_two_rounds_on_mnist(name, tmp_path):
-    config = RunConfig(algorithm=name, rounds=2, clients=6, participation=0.5, train_limit=1200, test_limit=300,
+    config = RunConfig(algorithm=name, rounds=2, eval_every=1, clients=6, participation=0.5, train_limit=1200, test_limit=300,
                        local_iters=2, server_batch=64, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5},
                        out=tmp_path / name)
     summary = run(config)
