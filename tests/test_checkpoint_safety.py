@@ -22,15 +22,7 @@ from fedlt.errors import FedltError
 from fedlt.losses import LossTerm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on shared cores torch's default threads wait on each other (a tiny
-    run took 40x longer with 2 threads than with 1 under load). Runs compared with each other use
-    the same count: float reductions may be split differently by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Payload:

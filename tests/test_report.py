@@ -19,15 +19,7 @@ from fedlt.metrics import class_groups, client_metrics
 from fedlt.report import load_runs, rows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on shared cores torch's default threads wait on each other (a tiny
-    run took 40x longer with 2 threads than with 1 under load). Runs compared with each other use
-    the same count: float reductions may be split differently by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 ROUND_KEYS = {"round", "train_loss", "accuracy", "balanced_accuracy", "loss", "per_class_accuracy", "many_accuracy",

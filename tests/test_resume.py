@@ -23,15 +23,7 @@ from fedlt.engine import RunStopped, prepare, run, sample_clients
 from fedlt.errors import FedltError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on shared cores torch's default threads wait on each other (a tiny
-    run took 40x longer with 2 threads than with 1 under load). Runs compared with each other use
-    the same count: float reductions may be split differently by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 TINY = ["--train-limit", "2000", "--test-limit", "300", "--clients", "10", "--participation", "0.3", "--rounds", "4",
