@@ -35,7 +35,7 @@ def authors_server_step(self, server, activations, xs, ys, objectives, client_id
     prior = torch.bincount(labels, minlength=self._ctx.num_classes)
     loss = fedlt.losses.build(self.server_loss, class_counts=prior, num_classes=self._ctx.num_classes)(logits, labels)
     server.apply(list(torch.autograd.grad(loss, server.parameters())))
-    return grads, float(loss)
+    return grads, float(loss.detach())
 
 
 def time_iteration(model_name: str, split_at, image: tuple[int, int, int], num_clients: int, variant: str,
