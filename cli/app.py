@@ -13,18 +13,9 @@ except ImportError:  # pragma: no cover
     from click import exceptions as typer_click
 from pydantic import ValidationError
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, describe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
-
-
-def one_line(exc: ValidationError) -> str:
-    """A pydantic error as one line: 'field.path: message' for each problem."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc.format_message()}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
     except ValidationError as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        print(f"error: {describe(exc)}", file=sys.stderr)
         sys.exit(2)
     except FedltError as exc:
         print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, describe
 
 
 class Strict(BaseModel):
@@ -30,8 +30,7 @@ def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any
     try:
         registry.create(spec["name"], **params)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(_one_line(f"{spec['name']}: {problems}")) from None
+        raise ValueError(f"{spec['name']}: {describe(exc)}") from None
     except (FedltError, TypeError) as exc:
         raise ValueError(_one_line(str(exc))) from None
     return spec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class FedltError(Exception):
     """An error caused by the user's input; the CLI prints it on one line and exits with code 2."""
@@ -12,3 +14,17 @@ class UnknownNameError(FedltError, KeyError):
 
     def __str__(self) -> str:  # KeyError would wrap the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+def describe(exc: ValidationError) -> str:
+    """A pydantic error as one line: 'field.path: message' for each problem.
+
+    List indices are dropped from nested paths (``partition.then``, not ``partition.0.then``);
+    pydantic's 'Value error, ' prefix is dropped because the message already says what is wrong.
+    """
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
+        msg = " ".join(err["msg"].removeprefix("Value error, ").split())
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)

@@ -149,21 +149,25 @@ class LateNaN(LossTerm):
         return zero + float("nan") if LateNaN.calls > self.after else zero
 
 
-def test_a_nan_loss_stops_naming_round_client_and_loss_keeping_the_last_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("algo, loss_flag, step", [("fedavg", "--loss", "local step 1"),
+                                                   ("scala", "--client-loss", "local iteration 1")])
+def test_a_nan_loss_stops_naming_round_client_and_loss_keeping_the_last_checkpoint(algo, loss_flag, step, tmp_path,
+                                                                                   capsys):
     out = tmp_path / "run"
-    # fedavg, 3 of 10 clients, 2 local steps each: 6 calls per round, so round 2's first step is NaN
-    argv = ["run", "--algo", "fedavg", "--model", "mlp", "--loss", "ce + late_nan(after=6)", "--partition", "iid",
+    # 3 of 10 clients, 2 local steps each: 6 client-loss calls per round, so round 2's first step is NaN
+    argv = ["run", "--algo", algo, "--model", "mlp", loss_flag, "ce + late_nan(after=6)", "--partition", "iid",
             "--train-limit", "1000", "--test-limit", "100", "--clients", "10", "--participation", "0.3",
             "--rounds", "3", "--local-iters", "2", "--server-batch", "30", "--eval-every", "1", "--quiet",
-            "--out", str(out)]
+            "--split", "1", "--out", str(out)]
     LateNaN.calls = 0
     with fedlt.losses.REGISTRY.temporary("late_nan", LateNaN), pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    first_client = sample_clients(10, 0.3, 0, 1)[0]
-    assert "round 2" in err and f"client {first_client}" in err and "late_nan" in err and "nan" in err
+    first_client = sample_clients(10, 0.3, 0, 1)[0]  # named by its id, not its position among the sampled
+    assert err.split(";")[0].count("round") == 1 and "round 2" in err and f"{step}, client {first_client}," in err, err
+    assert "late_nan" in err and "nan" in err
     assert "last good checkpoint (round 1)" in err
     assert io.load_checkpoint(out / "checkpoint.pt")["round"] == 1
     assert not (out / "summary.json").exists()

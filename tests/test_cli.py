@@ -50,6 +50,10 @@ def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     (["run", "--lr", "-0.1"], "lr"),
     (["run", "--no-such-flag"], "no-such-flag"),
     (["run", "--loss", "ce +* oops"], "loss"),
+    # the algorithm's own field is named, and pydantic's 'Value error, ' noise is not shown
+    (["run", "--algo", "scala", "--client-loss", "nope"], "algorithm_params: scala: client_loss: unknown loss 'nope'"),
+    (["run", "--algo", "fedavg", "--loss", "ce +"], "algorithm_params: fedavg: loss: loss expression"),
+    (["run", "--beta", "-2"], "partition: dirichlet: beta: Input should be greater than 0"),
     (["list", "widgets"], "widgets"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, field, capsys, tmp_path):

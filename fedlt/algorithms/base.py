@@ -4,12 +4,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import torch
+from pydantic import AfterValidator
 from torch import nn
 
+import fedlt.aggregators
+import fedlt.losses
 from fedlt.errors import FedltError
+
+
+def _valid_loss(expr: str) -> str:
+    try:
+        fedlt.losses.validate(expr)
+    except FedltError as exc:  # a ValueError lets pydantic name the field that holds it
+        raise ValueError(str(exc)) from None
+    return expr
+
+
+def _known_aggregator(name: str) -> str:
+    try:
+        fedlt.aggregators.get(name)
+    except FedltError as exc:
+        raise ValueError(str(exc)) from None
+    return name
+
+
+# Algorithm fields checked when the algorithm's parameters are validated (at the config boundary).
+LossExpression = Annotated[str, AfterValidator(_valid_loss)]
+AggregatorName = Annotated[str, AfterValidator(_known_aggregator)]
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 from torch import nn
 
 import fedlt.aggregators
 import fedlt.losses
 from fedlt.algorithms import register
-from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, check_finite, client_generator,
-                                   proportional_batches)
+from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext, check_finite,
+                                   client_generator, proportional_batches)
 from fedlt.errors import FedltError
 from fedlt.models import classifier
 
@@ -76,7 +76,7 @@ def local_update(model: nn.Module, global_state: State, data: ClientData, client
         if objective.needs_params:
             extra["params"] = params
         loss = objective(model(x), y, **extra)
-        check_finite(loss, f"client {data.cid}, local step {steps}, loss {objective_expr!r}")
+        check_finite(loss, f"local step {steps + 1}, client {data.cid}, loss {objective_expr!r}")
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         schedule.clip_(params)
@@ -92,26 +92,14 @@ class FedAvgFamily(BaseModel):
     """Local objective ``loss`` (a loss expression, SPEC §2) aggregated by ``aggregator`` (SPEC §4)."""
 
     model_config = ConfigDict(extra="forbid")
-    loss: str = "ce"
-    aggregator: str = "fedavg"
+    loss: LossExpression = "ce"
+    aggregator: AggregatorName = "fedavg"
 
     _ctx: RunContext = PrivateAttr()
     _model: nn.Module = PrivateAttr()  # the global model
     _work: nn.Module = PrivateAttr()  # scratch copy trained by each client in turn
     _teacher: nn.Module | None = PrivateAttr(None)
     _client_states: dict[int, dict[str, Any]] = PrivateAttr(default_factory=dict)
-
-    @field_validator("aggregator")
-    @classmethod
-    def _known_aggregator(cls, name: str) -> str:
-        fedlt.aggregators.get(name)
-        return name
-
-    @field_validator("loss")
-    @classmethod
-    def _valid_loss(cls, expr: str) -> str:
-        fedlt.losses.validate(expr)
-        return expr
 
     def setup(self, ctx: RunContext) -> None:
         self._ctx = ctx

@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 from torch import nn
 from torch.func import functional_call
 
 import fedlt.aggregators
 import fedlt.losses
 from fedlt.algorithms import register
-from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, check_finite, client_generator,
-                                   proportional_batches)
+from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext, check_finite,
+                                   client_generator, proportional_batches)
 from fedlt.errors import FedltError
 from fedlt.models import classifier, split
 
@@ -119,13 +119,13 @@ class SplitLearning(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    client_loss: str = "logit_adjust"
-    server_loss: str = "logit_adjust"
+    client_loss: LossExpression = "logit_adjust"
+    server_loss: LossExpression = "logit_adjust"
     server_prior: Literal["batch", "participants"] = "batch"
     server_mode: Literal["concat", "sequential", "copies"] = "concat"
     average_clients: bool = True
     local_loss: bool = False
-    aggregator: str = "fedavg"
+    aggregator: AggregatorName = "fedavg"
 
     _ctx: RunContext = PrivateAttr()
     _model: nn.Module = PrivateAttr()
@@ -134,18 +134,6 @@ class SplitLearning(BaseModel):
     _server: nn.Module = PrivateAttr()
     _server_optimiser: torch.optim.Optimizer = PrivateAttr()
     _client_states: dict[int, dict[str, Any]] = PrivateAttr(default_factory=dict)
-
-    @field_validator("client_loss", "server_loss")
-    @classmethod
-    def _valid_loss(cls, expr: str) -> str:
-        fedlt.losses.validate(expr)
-        return expr
-
-    @field_validator("aggregator")
-    @classmethod
-    def _known_aggregator(cls, name: str) -> str:
-        fedlt.aggregators.get(name)
-        return name
 
     def setup(self, ctx: RunContext) -> None:
         self._ctx = ctx
@@ -183,19 +171,19 @@ class SplitLearning(BaseModel):
             xs = [c.x[i] for c, i in zip(clients, picks)]
             ys = [c.y[i] for c, i in zip(clients, picks)]
             outputs = [r(x) for r, x in zip(replicas, xs)]
-            where = f"round {round_index}, local iteration {step}"
+            where = f"local iteration {step + 1}"  # the engine prefixes the round
             if self.local_loss:  # the client trains on its own head; the server gets detached activations
                 for k, ((acts, aux_logits), replica) in enumerate(zip(outputs, replicas)):
                     replica.step(self._client_value(objectives[k], aux_logits, ys[k], teacher, xs[k], replica,
-                                                    f"{where}, client {k}"))
+                                                    f"{where}, client {clients[k].cid}"))
                 outputs = [acts.detach() for acts, _ in outputs]
             grads: list[tuple | None] = [None] * len(clients)
             for group in groups:
                 server = servers[group[0]] if self.server_mode == "copies" else servers[0]
                 group_grads, loss = self._server_step(
                     server, [outputs[k] for k in group], [xs[k] for k in group], [ys[k] for k in group],
-                    [objectives[k] for k in group], group, teacher, participants_counts, where,
-                    [replicas[k] for k in group])
+                    [objectives[k] for k in group], [clients[k].cid for k in group], teacher,
+                    participants_counts, where, [replicas[k] for k in group])
                 for k, g in zip(group, group_grads):
                     grads[k] = g
                 server_losses.append(loss)

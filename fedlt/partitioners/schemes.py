@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field, ValidationError, field_serializer, field_validator
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, describe
 from fedlt.partitioners import register
 from fedlt.partitioners.base import Partitioner
 
@@ -211,8 +211,7 @@ class LongTail(Partitioner):
         try:
             inner = REGISTRY.create(spec["name"], **params)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise ValueError(f"{spec['name']}: {problems}") from None
+            raise ValueError(f"{spec['name']}: {describe(exc)}") from None
         except (FedltError, TypeError) as exc:
             raise ValueError(str(exc)) from None
         if not isinstance(inner, Partitioner):
