@@ -58,7 +58,7 @@ def names(module: nn.Module) -> tuple[set[str], set[str]]:
     return {n for n, _ in module.named_parameters()}, {n for n, _ in module.named_buffers()}
 
 
-def assert_exact_split(net, client, server, x, point=None, expected=None, shared=True) -> None:
+def assert_exact_split(net, client, server, x, point=None, expected=None, shared=True) -> torch.Tensor:
     net.eval(), client.eval(), server.eval()
     with torch.no_grad():
         expected = net(x) if expected is None else expected
@@ -76,6 +76,7 @@ def assert_exact_split(net, client, server, x, point=None, expected=None, shared
         for n, t in [*part.named_parameters(), *part.named_buffers()]:
             assert t is own[n]
     assert set(client.state_dict()) | set(server.state_dict()) == set(net.state_dict())
+    return activation
 
 
 # -- timm families --------------------------------------------------------------------------
@@ -95,6 +96,25 @@ def test_timm_family_uses_its_splitter_and_feature_info(name):
     assert client_sizes == sorted(client_sizes) and len(set(client_sizes)) == len(client_sizes)
 
 
+def timm_activation_shape(name: str, index: int) -> tuple[int, ...]:
+    """What cut ``index`` sends for a 3x32x32 input, from timm's own description of the model
+    (not from the splitter): ``feature_info``'s channels and reduction for the CNNs' stage/block
+    cuts, (class token + 2x2 patches, embed_dim) for the ViT."""
+    if name == "timm:vit_tiny_patch16_224":
+        return (1 + (32 // 16) ** 2, 192)
+    info = model(name).feature_info[index]
+    side = 32 // info["reduction"]
+    return (info["num_chs"], side, side)
+
+
+@pytest.mark.parametrize("name", TIMM_MODELS)
+def test_reported_activation_shapes_match_timm_feature_info(name):
+    """split_points (and so `fedlt splits`, checked against it below) reports timm's shapes."""
+    assert [p.activation_shape for p in points(name)] == [
+        timm_activation_shape(name, i) for i in range(len(model(name).feature_info))
+    ]
+
+
 @pytest.mark.parametrize("name", TIMM_MODELS)
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
@@ -102,7 +122,9 @@ def test_timm_split_is_exact_disjoint_and_covering(name, data):
     index = data.draw(st.integers(0, len(points(name)) - 1), label="cut")
     net = model(name)
     client, server = split(net, index)
-    assert_exact_split(net, client, server, inputs(), points(name)[index], full_output(name))
+    activation = assert_exact_split(net, client, server, inputs(), points(name)[index], full_output(name))
+    # The client's real output (batch 2, random input) against timm's description of the model.
+    assert tuple(activation.shape) == (2, *timm_activation_shape(name, index))
 
 
 @pytest.mark.parametrize("name", ["timm:resnet18", "timm:vit_tiny_patch16_224"])
@@ -326,6 +348,66 @@ def test_untraceable_model_is_a_clear_error():
 
     with pytest.raises(FedltError, match="cannot be split.*torch.fx cannot trace"):
         split(Branchy(), 0)
+
+
+def test_levit_splits_exactly_through_fx():
+    """LeViT's eval-mode attention caches attention_biases[:, idxs] in a dict keyed by str(device);
+    under fx that is "Proxy(getattr_2)" holding a Proxy of the trace, which the next trace (split
+    after cut_points) would reuse from the old graph. The fallback keeps Proxies out of such caches."""
+    name = "timm:levit_128s"  # fixed_input_size: built with img_size=32 (2x2 tokens after the stem)
+    net = model(name)
+    assert type(find_splitter(net)).__name__ == "FxSplitter"
+    x = inputs()
+    with torch.no_grad():
+        expected = net(x)  # fills the eval-mode cache with a real tensor first
+    table = split_points(net, x[:1])
+    assert [(p.name, p.activation_shape) for p in table] == [
+        ("stages.0", (4, 128)), ("stages.1", (1, 256)), ("stages.2", (1, 384))
+    ]
+    for p in table:
+        assert_exact_split(net, *split(net, p.index), x, p, expected)
+    attention = net.stages[0].blocks[0].attn
+    assert all(isinstance(v, torch.Tensor) for v in attention.attention_bias_cache.values())
+
+
+def test_a_module_caching_a_value_in_an_attribute_is_traced_afresh():
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.scale = nn.Parameter(torch.full((4,), 1.5))
+            self.cache = None
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if self.cache is None:
+                self.cache = self.scale * 2
+            return self.b(h * self.cache)
+
+    net = Cached().eval()
+    assert cut_points(net) == [("a", "a")] and net.cache is None  # the trace's Proxy is not kept
+    assert_exact_split(net, *split(net, 0), torch.randn(2, 4))
+
+
+def test_an_unexpected_failure_while_splitting_is_a_fedlt_error():
+    """A traceable model the fx splitter trips over (a submodule registered under a dotted name,
+    which add_module would refuse) is a one-line FedltError naming the model and the cut, with
+    the original exception chained, not a raw KeyError."""
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            self._modules["spare.head"] = nn.Linear(4, 2)  # never called
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    net = Broken()
+    assert cut_points(net) == [("a", "a")]
+    with pytest.raises(FedltError, match=r"^cannot split Broken at 0 \(a\): KeyError: 'spare'$") as err:
+        split(net, 0)
+    assert isinstance(err.value.__cause__, KeyError)
 
 
 def test_model_without_a_cut_names_none():

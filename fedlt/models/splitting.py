@@ -27,6 +27,8 @@ How a model is cut is a *splitter* strategy in ``SPLITTERS``, tried by ascending
 * ``fx`` (100): any other model that ``torch.fx`` can trace: a cut is valid after a module whose
   output is the only value the rest of the graph needs and that leaves parameters on both sides
   with none used on both; for timm models only their ``feature_info`` modules are offered.
+  Proxies a trace leaves in module caches (LeViT's ``attention_bias_cache``) are removed, and an
+  unexpected exception while building the parts is a ``FedltError`` naming the model and cut.
 
 A plugin registers a splitter object with ``priority``, ``applies(model)``, ``cut_points(model)``
 (a list of ``(name, module)``) and ``split(model, index)``.
@@ -401,6 +403,7 @@ class _FxPlan:
 
         self.model = model
         tracer = _fx_tracer()
+        saved = _forget_proxies(model)
         try:
             self.graph = tracer.trace(model)
         except Exception as exc:  # tracing fails on data-dependent control flow etc.
@@ -408,7 +411,16 @@ class _FxPlan:
                 f"{type(model).__name__} cannot be split: no splitter for its family and torch.fx cannot "
                 f"trace it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
+        finally:
+            _forget_proxies(model, saved)
         nodes = list(self.graph.nodes)
+        for node in nodes:
+            foreign = next((arg for arg in node.all_input_nodes if arg.graph is not self.graph), None)
+            if foreign is not None:
+                raise FedltError(
+                    f"{_model_name(model)} cannot be split: its forward reuses a value ({foreign.name!r}) "
+                    "that a module kept from an earlier torch.fx trace"
+                )
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output = next(n for n in nodes if n.op == "output")
         self.body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -511,6 +523,48 @@ class _FxPlan:
         return client, server
 
 
+def _forget_proxies(model: nn.Module, saved: dict | None = None) -> dict:
+    """Keep torch.fx Proxies out of the modules' plain attributes around a trace.
+
+    Tracing runs the model's Python code, so a module that caches a tensor on first use keeps a
+    Proxy of that trace instead: timm's LeViT attention (eval mode) stores
+    ``attention_biases[:, attention_bias_idxs]`` in its ``attention_bias_cache`` dict, keyed by
+    ``str(device)``, which is ``"Proxy(getattr_2)"`` under fx. The next trace would find that key
+    and reuse a node of the previous graph. Proxies are dropped from dict attributes, and an
+    attribute that now holds a Proxy gets back its value from ``saved`` (the snapshot this
+    function returns when called before the trace; dropped if it had none).
+    """
+    import torch.fx as fx
+
+    snapshot: dict = {}
+    for module in model.modules():
+        attrs = vars(module)
+        before = saved.get(id(module), {}) if saved is not None else {}
+        for key, value in list(attrs.items()):
+            if isinstance(value, fx.Proxy):
+                if key in before and not isinstance(before[key], fx.Proxy):
+                    attrs[key] = before[key]
+                else:
+                    del attrs[key]
+            elif isinstance(value, dict):
+                for stale in [k for k, v in value.items() if isinstance(v, fx.Proxy)]:
+                    del value[stale]
+        snapshot[id(module)] = dict(attrs)
+    return snapshot
+
+
+def _model_name(model: nn.Module) -> str:
+    """``timm:<name>`` for a timm model (its pretrained config names the architecture), else the class."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    arch = cfg.get("architecture") if isinstance(cfg, dict) else None
+    return f"timm:{arch}" if arch else type(model).__name__
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _has(module: nn.Module, qualname: str) -> bool:
     try:
         module.get_submodule(qualname)
@@ -556,12 +610,28 @@ class FxSplitter:
     def applies(self, model: nn.Module) -> bool:
         return True
 
+    # Building a plan or its parts is fedlt's code on a graph it did not choose: an exception it
+    # did not anticipate becomes a FedltError naming the model (and cut), the original chained.
+
     def cut_points(self, model: nn.Module) -> list[tuple[str, str]]:
-        return [(cut.name, cut.module) for cut in _FxPlan(model).cuts]
+        try:
+            return [(cut.name, cut.module) for cut in _FxPlan(model).cuts]
+        except FedltError:
+            raise
+        except Exception as exc:
+            raise FedltError(f"cannot list the cut points of {_model_name(model)}: {_reason(exc)}") from exc
 
     def split(self, model: nn.Module, index: int) -> tuple[nn.Module, nn.Module]:
-        plan = _FxPlan(model)
-        return plan.parts(plan.cuts[index])
+        where = str(index)
+        try:
+            plan = _FxPlan(model)
+            cut = plan.cuts[index]
+            where = f"{index} ({cut.name})"
+            return plan.parts(cut)
+        except FedltError:
+            raise
+        except Exception as exc:
+            raise FedltError(f"cannot split {_model_name(model)} at {where}: {_reason(exc)}") from exc
 
 
 # Splitters are stateless strategies: the registry holds one instance of each.
