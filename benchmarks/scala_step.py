@@ -18,13 +18,13 @@ import time
 import common  # noqa: F401  (sets TRITON_INTERPRET before timm is imported)
 import torch
 
-import fedlt.losses
 import fedlt.models
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.split import SplitLearning
 
 
-def authors_server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, counts, where, replicas):
+def authors_server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, server_objective, where,
+                        replicas):
     grads = []
     for acts, y, objective in zip(activations, ys, objectives):  # one server pass per client
         a = acts.detach().requires_grad_(True)
@@ -32,8 +32,7 @@ def authors_server_step(self, server, activations, xs, ys, objectives, client_id
         grads.append((g, None))
     labels = torch.cat(ys)
     logits = server(torch.cat([a.detach() for a in activations]))  # one more on the concatenation
-    prior = torch.bincount(labels, minlength=self._ctx.num_classes)
-    loss = fedlt.losses.build(self.server_loss, class_counts=prior, num_classes=self._ctx.num_classes)(logits, labels)
+    loss = server_objective(labels)(logits, labels)
     server.apply(list(torch.autograd.grad(loss, server.parameters())))
     return grads, float(loss.detach())
 

@@ -300,6 +300,14 @@ def run(config: RunConfig, *, resume: bool = False,
                 _check_model_finite(algorithm.global_model(), "aggregation")
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None
+            except ValueError as exc:
+                if "Expected more than 1 value per channel" not in str(exc):
+                    raise
+                raise FedltError(
+                    f"round {round_index + 1} (clients {chosen}): a BatchNorm layer got one value per channel "
+                    f"in training (a batch of 1 sample at a 1×1 feature map); give clients larger batches "
+                    f"(server_batch, or batch_size with local_epochs) or cut the model before that layer; {kept()}"
+                ) from None
             if (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds:
                 row.update(evaluate(algorithm.global_model(), data.x_test, data.y_test.cpu(), data.num_classes,
                                     prep.groups, config.eval_batch, device, client_counts))

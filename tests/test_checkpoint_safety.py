@@ -187,3 +187,20 @@ def test_a_diverging_learning_rate_is_caught_before_it_is_checkpointed(tmp_path)
         saved = io.load_checkpoint(tmp_path / "run" / "checkpoint.pt")
         assert saved["round"] == failed_round - 1
         assert all(torch.isfinite(t).all() for t in saved["algorithm"]["model"].values())
+
+
+def test_a_batchnorm_layer_starved_of_values_is_a_clear_error_not_a_torch_traceback(tmp_path):
+    """B_k = 1 reaching a BatchNorm on a 1×1 map is what torch refuses in training; the run says
+    what happened and what to change, naming the round."""
+    import fedlt.models
+    from torch import nn
+
+    def pooled_bn(in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(4), nn.Flatten(),
+                             nn.Linear(4, num_classes))
+
+    with fedlt.models.REGISTRY.temporary("pooled_bn", pooled_bn), \
+            pytest.raises(FedltError, match=r"round 1 .*BatchNorm.*one value per channel.*server_batch"):
+        run(RunConfig(algorithm="fedavg", model="pooled_bn", train_limit=500, test_limit=100, clients=5,
+                      participation=1.0, rounds=1, local_iters=1, server_batch=5, partition={"name": "iid"},
+                      out=tmp_path / "run"))

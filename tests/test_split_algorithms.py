@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import fedlt.algorithms
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.split import PersistentServer, Replica, SplitLearning
+from fedlt.errors import FedltError
 from fedlt.models.alexnet import AlexNet
 
 C = 10
@@ -22,17 +26,38 @@ def clients_with(seed: int = 0, sizes=(12, 20, 8)) -> list[ClientData]:
     return out
 
 
-def make(name: str, local_iters: int = 2, model_state=None, **params) -> SplitLearning:
+class BNNet(nn.Module):
+    """A small conv net with BatchNorm on both sides of its cut ``act`` (split by torch.fx)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU()
+        self.conv2 = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.bn(self.conv(x)))
+        return self.fc(self.pool(torch.relu(self.bn2(self.conv2(x)))).flatten(1))
+
+    def get_classifier(self) -> nn.Linear:
+        return self.fc
+
+
+def make(name: str, local_iters: int = 2, model_state=None, net=AlexNet, split="s2", **params) -> SplitLearning:
     if model_state is None:
         torch.manual_seed(0)
-        model_state = AlexNet(1, C).state_dict()
+        model_state = (net(1, C) if net is AlexNet else net()).state_dict()
 
     def build():
-        net = AlexNet(1, C)
-        net.load_state_dict(model_state)
-        return net
+        model = net(1, C) if net is AlexNet else net()
+        model.load_state_dict(model_state)
+        return model
 
-    ctx = RunContext(num_classes=C, input_shape=(1, 28, 28), build_model=build, split="s2", server_batch=24,
+    ctx = RunContext(num_classes=C, input_shape=(1, 28, 28), build_model=build, split=split, server_batch=24,
                      local_iters=local_iters, local_epochs=None, batch_size=0, lr=0.05, momentum=0.9,
                      weight_decay=5e-4, clip=10.0, sampling_seed=0, device=torch.device("cpu"))
     algorithm = fedlt.algorithms.create(name, **params)
@@ -49,19 +74,29 @@ def differs(a: dict, b: dict) -> bool:
 
 
 def test_v2_updates_one_server_once_per_client_batch_in_sequence(monkeypatch):
+    """Each client batch meets the server as the previous batch's step left it, and moves it."""
     algorithm = make("splitfed_v2", local_iters=3)
     clients = clients_with()
     seen: list[int] = []
+    before: list[dict] = []
+    after: list[dict] = []
     original = SplitLearning._server_step
 
     def spy(self, server, activations, *args):
         assert isinstance(server, PersistentServer) and len(activations) == 1
-        seen.append(args[3][0])  # client_ids: the client index of this server step
-        return original(self, server, activations, *args)
+        seen.append(args[3][0])  # client_ids: the client of this server step
+        before.append(snapshot(self._server))
+        result = original(self, server, activations, *args)
+        after.append(snapshot(self._server))
+        return result
 
     monkeypatch.setattr(SplitLearning, "_server_step", spy)
     algorithm.train_round(0, clients)
     assert seen == [0, 1, 2] * 3  # each client's batch in turn, every iteration
+    for i in range(len(seen)):
+        assert differs(before[i], after[i])  # every client batch steps the one server
+        if i:
+            assert not differs(after[i - 1], before[i])  # ...which the next batch sees as it was left
 
 
 def test_v1_and_v3_average_the_server_copies_weighted_by_data_size(monkeypatch):
@@ -114,6 +149,24 @@ def test_v3_keeps_distinct_client_models_across_rounds(monkeypatch):
         assert not differs(own, start)
 
 
+def test_v3_client_first_seen_later_starts_from_the_initial_model_not_an_average(monkeypatch):
+    algorithm = make("splitfed_v3")
+    initial = snapshot(algorithm._client_side)
+    first, newcomer = clients_with()[:2], clients_with()[2]
+    algorithm.train_round(0, first)
+    assert differs(initial, snapshot(algorithm._client_side))  # the evaluation-only average moved
+    starts = []
+    original_init = Replica.__init__
+
+    def spy(self, module, start, schedule):
+        starts.append(start)
+        original_init(self, module, start, schedule)
+
+    monkeypatch.setattr(Replica, "__init__", spy)
+    algorithm.train_round(1, [newcomer])
+    assert not differs(initial, starts[0])
+
+
 def test_local_loss_clients_get_no_gradient_from_the_server():
     """Perturbing the server changes nothing on the client side: no gradient flows back."""
     clients = clients_with()
@@ -162,3 +215,104 @@ def test_scala_client_side_weight_term_pulls_clients_towards_the_global_model():
         return sum(float((end[k] - start[k]).pow(2).sum()) for k in start)
 
     assert distance(prox) < distance(plain)
+
+
+def test_split_algorithms_refuse_epoch_based_local_training():
+    torch.manual_seed(0)
+    state = AlexNet(1, C).state_dict()
+    ctx = RunContext(num_classes=C, input_shape=(1, 28, 28), build_model=lambda: AlexNet(1, C), split="s2",
+                     server_batch=24, local_iters=2, local_epochs=1, batch_size=8, lr=0.05, momentum=0.9,
+                     weight_decay=5e-4, clip=10.0, sampling_seed=0, device=torch.device("cpu"))
+    assert state  # the model builds; only the schedule is refused
+    with pytest.raises(FedltError, match="local_epochs"):
+        fedlt.algorithms.create("scala").setup(ctx)
+
+
+# -- any loss on the server side ----------------------------------------------------------------
+@pytest.mark.parametrize("server_loss", ["fedvls", "fedgrab", "logit_adjust + fedprox(mu=0.5)", "ce + sgb"])
+@pytest.mark.parametrize("name", ["scala", "splitfed_v1", "splitfed_v2"])
+def test_the_server_side_takes_any_loss_expression_and_really_uses_it(name, server_loss):
+    clients = clients_with()
+    default, other = make(name, local_iters=2), make(name, local_iters=2, server_loss=server_loss)
+    default.train_round(0, clients)
+    other.train_round(0, clients)
+    assert differs(snapshot(default._server), snapshot(other._server))
+
+
+def test_the_server_side_sgb_state_persists_across_iterations_rounds_and_checkpoints():
+    clients = clients_with()
+    algorithm = make("scala", local_iters=3, server_loss="ce + sgb")
+    algorithm.train_round(0, clients)
+    state = algorithm.state_dict()["server_loss_state"]
+    steps = {k: int(v) for k, v in state.items() if k.endswith(".steps")}
+    assert list(steps.values()) == [3]  # one server forward per local iteration, one state
+    algorithm.train_round(1, clients)
+    assert [int(v) for k, v in algorithm.state_dict()["server_loss_state"].items() if k.endswith(".steps")] == [6]
+    resumed = make("scala", local_iters=3, server_loss="ce + sgb")
+    resumed.load_state_dict(copy.deepcopy(algorithm.state_dict()))  # as a checkpoint: no shared buffers
+    algorithm.train_round(2, clients)
+    resumed.train_round(2, clients)
+    assert not differs(snapshot(algorithm.global_model()), snapshot(resumed.global_model()))
+
+
+def test_a_server_loss_that_cannot_work_on_the_model_fails_at_setup():
+    """fedgrab's DPA prior reads the classifier: a model without get_classifier is refused when
+    the algorithm is set up (before a run writes anything), not inside round 1."""
+
+    class NoHead(BNNet):
+        get_classifier = None
+
+    with pytest.raises(FedltError, match="fedgrab.*needs classifier_weight"):
+        make("scala", net=NoHead, split="act", server_loss="fedgrab")
+
+
+# -- BatchNorm -----------------------------------------------------------------------------------
+def test_the_teacher_is_the_round_start_global_model_in_eval_mode_and_moves_no_statistics():
+    algorithm = make("scala", net=BNNet, split="act", client_loss="fedvls")
+    clients = clients_with()
+    algorithm.train_round(0, clients)  # BatchNorm statistics away from their initial values
+    model = algorithm.global_model()
+    client_start, server_start = snapshot(algorithm._client_side), snapshot(algorithm._server)
+    x = clients[0].x
+    model.eval()
+    with torch.no_grad():
+        want = model(x)
+    model.train()
+    got = algorithm._teacher(client_start, server_start)(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert not differs(server_start, snapshot(algorithm._server)) and model.training
+    assert not differs(client_start, snapshot(algorithm._client_side))
+
+
+@pytest.mark.parametrize("name", ["scala", "splitfed_v1"])
+def test_batchnorm_statistics_are_averaged_by_data_size_with_the_parameters(name, monkeypatch):
+    """Client side (all algorithms) and server copies (V1/V3): parameters AND BatchNorm running
+    statistics are averaged weighted by |D_k|; num_batches_tracked is a count, not averaged."""
+    algorithm = make(name, net=BNNet, split="act")
+    clients = clients_with(sizes=(12, 30, 6))
+    captured = {}
+    original = SplitLearning._finish_round
+
+    def spy(self, clients_, replicas, servers, objectives):
+        captured["clients"] = [{k: v.clone() for k, v in r.state().items()} for r in replicas]
+        captured["servers"] = [{k: v.clone() for k, v in s.state().items()} for s in servers] \
+            if isinstance(servers[0], Replica) else None
+        return original(self, clients_, replicas, servers, objectives)
+
+    monkeypatch.setattr(SplitLearning, "_finish_round", spy)
+    algorithm.train_round(0, clients)
+    weights = [len(c) / 48 for c in clients]
+    sides = [(captured["clients"], algorithm._client_side.state_dict())]
+    if captured["servers"] is not None:
+        sides.append((captured["servers"], algorithm._server.state_dict()))
+    for copies, merged in sides:
+        stats = [k for k in merged if "running_" in k]
+        assert stats and differs({k: copies[0][k] for k in stats}, {k: copies[1][k] for k in stats})
+        for key, value in merged.items():
+            if key.endswith("num_batches_tracked"):
+                assert int(value) == max(int(c[key]) for c in copies)
+                continue
+            want = torch.zeros_like(value, dtype=torch.float64)
+            for w, c in zip(weights, copies):  # float64 loop, independent of the aggregator
+                want += w * c[key].double()
+            torch.testing.assert_close(value.double(), want, atol=1e-6, rtol=0)

@@ -23,7 +23,7 @@ import fedlt.aggregators
 import fedlt.losses
 from fedlt.algorithms import register
 from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext, check_finite,
-                                   client_generator, proportional_batches)
+                                   client_generator, eval_mode, proportional_batches)
 from fedlt.errors import FedltError
 from fedlt.models import classifier, split
 
@@ -115,7 +115,10 @@ class SplitLearning(BaseModel):
     - ``client_loss`` / ``server_loss``: loss expressions (SPEC §2). The client side is built with
       the client's class counts p_k; the server side with the label counts of the batch it sees
       (``server_prior="batch"``) or of the round's participants pooled (``"participants"``).
-      Both gradients come from the same server logits at the pre-step server weights.
+      Both gradients come from the same server logits at the pre-step server weights. Either side
+      takes any term: teacher terms (FedVLS) get the round's global model in eval mode, weight
+      terms (FedProx) that side's round-start weights, and a stateful term (Fed-GraB's SGB) keeps
+      its state per client on the client side and one state for the server side.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -134,17 +137,30 @@ class SplitLearning(BaseModel):
     _server: nn.Module = PrivateAttr()
     _server_optimiser: torch.optim.Optimizer = PrivateAttr()
     _client_states: dict[int, dict[str, Any]] = PrivateAttr(default_factory=dict)
+    _server_loss_state: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _initial_client: State | None = PrivateAttr(None)  # V3: where a client's first round starts
 
     def setup(self, ctx: RunContext) -> None:
+        if ctx.local_epochs is not None:
+            raise FedltError("local_epochs: split algorithms train T = local_iters iterations per round in lockstep "
+                             "(SPEC §3); epoch-based local training is for the FedAvg family")
         self._ctx = ctx
         self._model = ctx.build_model().to(ctx.device)
         self._client, self._server = split(self._model, ctx.split)
         self._client_side = self._client
         if self.local_loss:
-            with torch.no_grad():
+            with torch.no_grad(), eval_mode(self._client):  # a probe must not move BatchNorm statistics
                 numel = self._client(torch.zeros(1, *ctx.input_shape, device=ctx.device))[0].numel()
             self._client_side = ClientWithHead(self._client, numel, ctx.num_classes).to(ctx.device)
         self._server_optimiser = ctx.schedule(ctx.server_batch).optimiser(list(self._server.parameters()))
+        if not self.average_clients:
+            self._initial_client = {n: t.detach().clone() for n, t in self._client_side.state_dict().items()}
+        # build both sides' objectives once now, so a term that cannot work on this model (e.g.
+        # fedgrab without a classifier) fails before the run writes anything
+        placeholder = torch.ones(ctx.num_classes, dtype=torch.int64, device=ctx.device)
+        probe = ClientData(0, torch.empty(0), torch.empty(0), placeholder)
+        self._client_objective(probe, self._client_side.state_dict(), self._head_weight())
+        self._server_objective(placeholder, self._server.state_dict(), self._head_weight())
 
     # -- one round ------------------------------------------------------------------------------
     def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]:
@@ -152,6 +168,7 @@ class SplitLearning(BaseModel):
         start = {n: t.detach().clone() for n, t in self._client_side.state_dict().items()}
         server_start = {n: t.detach().clone() for n, t in self._server.state_dict().items()}
         batches = proportional_batches([len(c) for c in clients], ctx.server_batch)
+        head_weight = self._head_weight()  # the received global classifier (Fed-GraB's DPA prior)
         replicas = [Replica(self._client_side, self._client_start(c, start), ctx.schedule(b))
                     for c, b in zip(clients, batches)]
         if self.server_mode == "copies":
@@ -160,9 +177,15 @@ class SplitLearning(BaseModel):
             servers = [PersistentServer(self._server, self._server_optimiser, ctx.schedule(ctx.server_batch))]
         streams = [ctx.schedule(b).batches(len(c), client_generator(ctx.sampling_seed, round_index, c.cid))
                    for c, b in zip(clients, batches)]
-        objectives = [self._client_objective(c, start) for c in clients]
-        teacher = self._teacher(start, server_start) if any(o.needs_teacher for o in objectives) else None
+        objectives = [self._client_objective(c, start, head_weight) for c in clients]
         participants_counts = torch.stack([c.class_counts for c in clients]).sum(0)
+
+        def server_objective(labels: torch.Tensor):
+            prior = torch.bincount(labels, minlength=ctx.num_classes) if self.server_prior == "batch" \
+                else participants_counts
+            return self._server_objective(prior, server_start, head_weight)
+
+        teacher = self._teacher(start, server_start)  # evaluated only for terms that need it
         # which clients' activations each server forward takes, in order
         groups = [list(range(len(clients)))] if self.server_mode == "concat" else [[k] for k in range(len(clients))]
         server_losses = []
@@ -183,7 +206,7 @@ class SplitLearning(BaseModel):
                 group_grads, loss = self._server_step(
                     server, [outputs[k] for k in group], [xs[k] for k in group], [ys[k] for k in group],
                     [objectives[k] for k in group], [clients[k].cid for k in group], teacher,
-                    participants_counts, where, [replicas[k] for k in group])
+                    server_objective, where, [replicas[k] for k in group])
                 for k, g in zip(group, group_grads):
                     grads[k] = g
                 server_losses.append(loss)
@@ -193,7 +216,7 @@ class SplitLearning(BaseModel):
         self._finish_round(clients, replicas, servers, objectives)
         return {"train_loss": sum(server_losses) / len(server_losses)}
 
-    def _server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, participants_counts, where,
+    def _server_step(self, server, activations, xs, ys, objectives, client_ids, teacher, server_objective, where,
                      replicas):
         """ONE server forward of the given clients' concatenated activations; the server gradient
         and the clients' activation gradients from the same logits, both at the pre-step server
@@ -204,12 +227,17 @@ class SplitLearning(BaseModel):
         joined = torch.cat([a.detach() for a in activations]).requires_grad_(not self.local_loss)
         labels = torch.cat(ys)
         logits = server(joined)
-        C = self._ctx.num_classes
-        prior_counts = torch.bincount(labels, minlength=C) if self.server_prior == "batch" else participants_counts
-        server_objective = fedlt.losses.build(self.server_loss, class_counts=prior_counts, num_classes=C)
-        server_loss = server_objective(logits, labels)
-        check_finite(server_loss, f"{where}, server loss {self.server_loss!r}")
+        objective = server_objective(labels)
+        extra: dict[str, Any] = {}
+        if objective.needs_teacher:
+            with torch.no_grad():
+                extra["teacher_logits"] = teacher(torch.cat(xs))
         params = server.parameters()
+        if objective.needs_params:
+            extra["params"] = params
+        server_loss = objective(logits, labels, **extra)
+        check_finite(server_loss, f"{where}, server loss {self.server_loss!r}")
+        self._server_loss_state = objective.state_dict()
         server_grads = torch.autograd.grad(server_loss, params, retain_graph=not self.local_loss)
         client_grads: list[tuple] = [(None, None)] * len(sizes)
         if not self.local_loss:
@@ -259,13 +287,16 @@ class SplitLearning(BaseModel):
     def _client_start(self, data: ClientData, global_start: State) -> State:
         if self.average_clients:
             return global_start
-        return self._client_states.get(data.cid, {}).get("client_model", global_start)
+        # V3: a client's own part; on its first round, the initial model (never another's average)
+        return self._client_states.get(data.cid, {}).get("client_model", self._initial_client)
 
-    def _client_objective(self, data: ClientData, start: State):
+    def _head_weight(self) -> torch.Tensor | None:
         try:
-            head_weight = classifier(self._model).weight.detach()
+            return classifier(self._model).weight.detach().clone()
         except FedltError:  # objectives that don't read the classifier still run on such models
-            head_weight = None
+            return None
+
+    def _client_objective(self, data: ClientData, start: State, head_weight: torch.Tensor | None):
         param_names = [n for n, _ in self._client_side.named_parameters()]
         objective = fedlt.losses.build(
             self.client_loss, class_counts=data.class_counts, num_classes=self._ctx.num_classes,
@@ -277,6 +308,20 @@ class SplitLearning(BaseModel):
             objective.load_state_dict(saved)
         return objective
 
+    def _server_objective(self, prior_counts: torch.Tensor, server_start: State, head_weight: torch.Tensor | None):
+        """The server side's loss for one server forward: its prior from ``prior_counts``, weight
+        terms anchored at the round-start server weights, and the server side's one persistent
+        state (stateful terms such as SGB); seeded apart from every client (cids are >= 0)."""
+        param_names = [n for n, _ in self._server.named_parameters()]
+        objective = fedlt.losses.build(
+            self.server_loss, class_counts=prior_counts, num_classes=self._ctx.num_classes,
+            classifier_weight=head_weight, global_params=[server_start[n] for n in param_names],
+            seed=self._ctx.sampling_seed * 100_003 - 1,
+        )
+        if self._server_loss_state:
+            objective.load_state_dict(self._server_loss_state)
+        return objective
+
     def _teacher(self, client_start: State, server_start: State):
         """The global model received this round (client and server parts at round start), as a
         no-grad function of the input; used by objectives such as FedVLS's vacant-class KD."""
@@ -285,7 +330,9 @@ class SplitLearning(BaseModel):
             client_params = {k.removeprefix("client."): v for k, v in client_start.items() if k.startswith("client.")}
 
         def teacher(x: torch.Tensor) -> torch.Tensor:
-            return functional_call(self._server, server_start, (functional_call(self._client, client_params, (x,)),))
+            with eval_mode(self._client, self._server):  # the global model as evaluated; no BatchNorm update
+                return functional_call(self._server, server_start,
+                                       (functional_call(self._client, client_params, (x,)),))
 
         return teacher
 
@@ -295,13 +342,15 @@ class SplitLearning(BaseModel):
 
     def state_dict(self) -> dict[str, Any]:
         return {"client_side": self._client_side.state_dict(), "model": self._model.state_dict(),
-                "server_optimiser": self._server_optimiser.state_dict(), "client_states": self._client_states}
+                "server_optimiser": self._server_optimiser.state_dict(), "client_states": self._client_states,
+                "server_loss_state": self._server_loss_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._model.load_state_dict(state["model"])
         self._client_side.load_state_dict(state["client_side"])
         self._server_optimiser.load_state_dict(state["server_optimiser"])
         self._client_states = {int(k): v for k, v in state["client_states"].items()}
+        self._server_loss_state = state.get("server_loss_state", {})  # absent in older checkpoints
 
 
 def _preset(name: str, doc: str, **defaults: Any) -> None:
