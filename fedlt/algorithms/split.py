@@ -12,6 +12,7 @@ server weights before this iteration's server step. The client replicas are then
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 import torch
@@ -346,6 +347,9 @@ class SplitLearning(BaseModel):
                 "server_loss_state": self._server_loss_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a copy: torch's optimiser keeps the given momentum tensors, which must not stay shared
+        # with the state's source (another live algorithm, not only a checkpoint file)
+        state = copy.deepcopy(state)
         self._model.load_state_dict(state["model"])
         self._client_side.load_state_dict(state["client_side"])
         self._server_optimiser.load_state_dict(state["server_optimiser"])
