@@ -19,10 +19,12 @@ def registries() -> dict:
     import fedlt.losses
     import fedlt.models
     import fedlt.partitioners
+    from fedlt.models.splitting import SPLITTERS
 
     return {"algorithms": fedlt.algorithms.REGISTRY, "datasets": fedlt.datasets.REGISTRY,
             "partitioners": fedlt.partitioners.REGISTRY, "models": fedlt.models.REGISTRY,
-            "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY}
+            "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
+            "splitters": SPLITTERS}
 
 
 def summary_line(obj) -> str:
@@ -31,7 +33,7 @@ def summary_line(obj) -> str:
 
 
 @app.command("list")
-def list_components(kind: Optional[str] = typer.Argument(None, help="algorithms, datasets, partitioners, models, losses, aggregators"),
+def list_components(kind: Optional[str] = typer.Argument(None, help="algorithms, datasets, partitioners, models, losses, aggregators, splitters"),
                     pattern: str = typer.Option("*", help="shell-style filter, e.g. 'fed*'")) -> None:
     """List registered components of one kind, or of every kind."""
     regs = registries()

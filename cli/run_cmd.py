@@ -19,24 +19,48 @@ PARTITION_FLAGS = ("alpha", "beta", "min_size", "shards_per_client", "imbalance_
 
 def partition_overrides(partition: str | None, then: str | None, flags: dict[str, Any],
                         current: dict[str, Any]) -> dict[str, Any] | None:
-    """The partition table implied by the flags; None when no partition flag was given.
+    """The partition table implied by the flags over ``current`` (the config file's, or the
+    default); None when no partition flag was given.
 
-    ``--beta`` alone means dirichlet, ``--alpha`` alone quantity; with ``--then`` the scheme
-    flags go to the inner partitioner of ``longtail``.
+    The scheme is ``--partition``, else the one a lone flag implies (``--beta`` dirichlet,
+    ``--alpha`` quantity), else ``current``'s. The same scheme as ``current`` keeps its parameters
+    and the flags override them key by key; another scheme starts from the flags alone (the
+    current parameters belong to a different partitioner). With ``longtail`` the scheme flags go
+    to the inner partitioner ``--then``, merged likewise when it is the current inner one.
     """
     given = {k: v for k, v in flags.items() if v is not None}
     if partition is None and not given and then is None:
         return None
     if partition is None:
         partition = "dirichlet" if "beta" in given else "quantity" if "alpha" in given else current.get("name", "quantity")
-        if partition == current.get("name"):
-            return {**current, **given}
+    base = dict(current) if partition == current.get("name") else {"name": partition}
     if partition == "longtail":
         outer = {"imbalance_factor": given.pop("imbalance_factor")} if "imbalance_factor" in given else {}
-        return {"name": "longtail", **outer, "then": {"name": then or "iid", **given}}
+        inner = base.get("then", {"name": "iid"})
+        inner = {"name": inner} if isinstance(inner, str) else dict(inner)
+        if then is not None and then != inner.get("name"):
+            inner = {"name": then}
+        return {**base, **outer, "then": {**inner, **given}}
     if then is not None:
         raise FedltError("--then is only meaningful with --partition longtail")
-    return {"name": partition, **given}
+    return {**base, **given}
+
+
+class ProgressStatus:
+    """The progress bar's status after a round: its training loss and the last evaluated accuracy
+    with its round (rounds between evaluations have no accuracy of their own), e.g.
+    ``loss 0.4312  acc 0.651 (r15)``; ``acc –`` before the first evaluation."""
+
+    def __init__(self) -> None:
+        self.accuracy: float | None = None
+        self.round: int | None = None
+
+    def __call__(self, row: dict[str, Any]) -> str:
+        if "accuracy" in row:
+            self.accuracy, self.round = row["accuracy"], row.get("round")
+        acc = "acc –" if self.accuracy is None else f"acc {self.accuracy:.3f} (r{self.round})"
+        loss = row.get("train_loss")
+        return f"loss {loss:.4f}  {acc}" if isinstance(loss, (int, float)) else acc
 
 
 def check_loss_flags(algorithm: str, given: dict[str, str]) -> None:
@@ -140,7 +164,8 @@ def run(
         overrides["algorithm_params"] = {}  # another algorithm's parameters would not fit this one
     flags = dict(alpha=alpha, beta=beta, min_size=min_size, shards_per_client=shards_per_client,
                  imbalance_factor=imbalance_factor)
-    new_partition = partition_overrides(partition, then, flags, base.get("partition", {"name": "quantity", "alpha": 2}))
+    default_partition = RunConfig.model_fields["partition"].get_default(call_default_factory=True)
+    new_partition = partition_overrides(partition, then, flags, base.get("partition", default_partition))
     if new_partition is not None:
         base = {k: v for k, v in base.items() if k != "partition"}
         overrides["partition"] = new_partition
@@ -160,9 +185,10 @@ def run(
         progress.update(task, completed=done)
         progress.start()
 
+    status = ProgressStatus()
+
     def on_round(done: int, row: dict) -> None:
-        status = f"acc {row['accuracy']:.4f}" if "accuracy" in row else f"loss {row.get('train_loss', float('nan')):.4f}"
-        progress.update(task, completed=done, status=status)
+        progress.update(task, completed=done, status=status(row))
 
     try:
         summary = run_experiment(cfg, resume=resume is not None, on_round=on_round, on_start=on_start)

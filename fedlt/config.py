@@ -161,6 +161,35 @@ class RunConfig(Strict):
         fedlt.models.get(name)
         return name
 
+    @field_validator("split")
+    @classmethod
+    def _split_point_of_the_model(cls, split: str | None, info: ValidationInfo) -> str | None:
+        """A model that names its own cut points (AlexNet: s1..s5) is checked here, for every
+        algorithm: the FedAvg family never splits, so a typo would otherwise pass unnoticed. timm
+        models are checked when a split algorithm builds them (the default 's2' is AlexNet's)."""
+        model = info.data.get("model")
+        if split is None or model is None or model.startswith("timm:"):
+            return split
+        import torch
+
+        import fedlt.models
+        from fedlt.models.splitting import SPLITTERS, resolve_cut
+
+        try:
+            with torch.device("meta"):  # the layer structure without allocating the weights
+                instance = fedlt.models.create(model)
+        except Exception:  # a plugin model that needs its dataset's shape: the engine checks the split
+            return split
+        if not SPLITTERS.get("own").applies(instance):
+            return split
+        try:
+            resolve_cut(instance, split)
+        except FedltError:
+            names = list(instance.split_points())
+            raise ValueError(f"{split!r} is not a split point of {model} (valid: {', '.join(names)}, "
+                             f"or an index 0..{len(names) - 1})") from None
+        return split
+
     @field_validator("device")
     @classmethod
     def _valid_device(cls, device: str) -> str:
@@ -193,7 +222,14 @@ class RunConfig(Strict):
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise FedltError(f"config file {path} does not exist")
-    text = path.read_text()
+    if path.is_dir():
+        raise FedltError(f"config file {path} is a directory, not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FedltError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:  # unreadable: permissions, a device, a broken link
+        raise FedltError(f"config file {path} could not be read: {exc.strerror or exc}") from None
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text)

@@ -3,8 +3,9 @@
 A registry is a plain dict behind ``register`` / ``get`` / ``list`` / ``create``, like timm's
 model registry, except that a duplicate name raises and third-party components are discovered
 through the entry-point group ``fedlt.<kind>s``, loaded only when a lookup needs them. A
-built-in name always wins over a plugin's, and a plugin that fails to import becomes a warning
-naming its distribution instead of breaking every run.
+built-in name always wins over a plugin's (a ``temporary`` entry hides one only inside its block),
+and a plugin that fails to import becomes a warning naming its distribution instead of breaking
+every run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Registry(Generic[T]):
         self.group = group if group is not None else f"fedlt.{plural}"
         self._entries: dict[str, T] = {}
         self._plugins_loaded = False
+        self._plugin_names: set[str] = set()  # entries that came from entry points
+        self._temporary: set[str] = set()  # names registered by an active ``temporary`` block
+        self._shadowed: dict[str, T] = {}  # plugins hidden by a temporary entry of the same name
 
     # -- registration -------------------------------------------------------------------------
     def register(self, name: str | None = None) -> Callable[[T], T]:
@@ -47,12 +51,29 @@ class Registry(Generic[T]):
 
     @contextmanager
     def temporary(self, name: str, obj: T) -> Iterator[T]:
-        """Register ``obj`` for the duration of a ``with`` block (tests, notebooks)."""
-        self.add(name, obj)
+        """Register ``obj`` for the duration of a ``with`` block (tests, notebooks).
+
+        It may hide a plugin of the same name (loaded before or during the block; the plugin is
+        back afterwards), never a built-in.
+        """
+        if name in self._temporary:
+            raise FedltError(f"{self.kind} {name!r} is already registered")
+        if name in self._plugin_names and name in self._entries:
+            self._shadowed[name] = self._entries.pop(name)
+        try:
+            self.add(name, obj)
+        except FedltError:
+            if name in self._shadowed:
+                self._entries[name] = self._shadowed.pop(name)
+            raise
+        self._temporary.add(name)
         try:
             yield obj
         finally:
+            self._temporary.discard(name)
             self._entries.pop(name, None)
+            if name in self._shadowed:
+                self._entries[name] = self._shadowed.pop(name)
 
     # -- lookup -------------------------------------------------------------------------------
     def get(self, name: str) -> T:
@@ -89,10 +110,10 @@ class Registry(Generic[T]):
         self._plugins_loaded = True
         for ep in entry_points(group=self.group):
             dist = ep.dist.name if ep.dist is not None else "unknown distribution"
-            if ep.name in self._entries:
+            if ep.name in self._plugin_names or (ep.name in self._entries and ep.name not in self._temporary):
+                holder = "another plugin" if ep.name in self._plugin_names else "a built-in component"
                 warnings.warn(
-                    f"fedlt: {self.kind} {ep.name!r} from plugin {dist!r} ignored: "
-                    "a built-in component has that name",
+                    f"fedlt: {self.kind} {ep.name!r} from plugin {dist!r} ignored: {holder} has that name",
                     stacklevel=3,
                 )
                 continue
@@ -105,4 +126,8 @@ class Registry(Generic[T]):
                     stacklevel=3,
                 )
                 continue
-            self._entries[ep.name] = obj
+            self._plugin_names.add(ep.name)
+            if ep.name in self._temporary:  # hidden until the temporary entry's block ends
+                self._shadowed[ep.name] = obj
+            else:
+                self._entries[ep.name] = obj

@@ -55,6 +55,8 @@ def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     (["run", "--algo", "fedavg", "--loss", "ce +"], "algorithm_params: fedavg: loss: loss expression"),
     (["run", "--beta", "-2"], "partition: dirichlet: beta: Input should be greater than 0"),
     (["list", "widgets"], "widgets"),
+    # a split point alexnet does not have, though fedavg never splits
+    (["run", "--algo", "fedavg", "--split", "s7"], "split: 's7' is not a split point of alexnet (valid: s1, s2, s3"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, field, capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
@@ -70,3 +72,23 @@ def test_list_shows_registered_components(capsys):
     out = capsys.readouterr().out
     for name in ("scala", "fedavg", "fedlc", "fedvls", "fedgrab", "fedprox", "fedlogit"):
         assert name in out
+
+
+def test_list_shows_the_splitters_as_a_kind(capsys):
+    main(["list"])
+    out = capsys.readouterr().out
+    assert "splitters" in out and "timm_vit" in out
+    main(["list", "splitters"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("own", "timm_sequential", "fx")) and "algorithms" not in out
+
+
+def test_progress_shows_the_last_evaluated_accuracy_with_its_round():
+    from fedlt.cli.run_cmd import ProgressStatus
+
+    status = ProgressStatus()
+    assert status({"round": 1, "train_loss": 2.25}) == "loss 2.2500  acc –"
+    assert status({"round": 5, "train_loss": 1.5, "accuracy": 0.6512}) == "loss 1.5000  acc 0.651 (r5)"
+    # a round that is not evaluated keeps showing the last accuracy and where it came from
+    assert status({"round": 6, "train_loss": 1.25}) == "loss 1.2500  acc 0.651 (r5)"
+    assert status({"round": 10, "train_loss": 1.0, "accuracy": 0.7}) == "loss 1.0000  acc 0.700 (r10)"

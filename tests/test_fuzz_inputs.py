@@ -166,6 +166,29 @@ def test_a_split_point_the_model_does_not_have_is_caught_before_training(split, 
     exits_2_naming(run_argv(out, "--algo", "scala", "--split", split), "split", capsys, out)
 
 
+@FAST
+@given(algorithm=st.sampled_from(["fedavg", "fedlc", "fedprox", "scala"]),
+       split=st.one_of(st.sampled_from(["s0", "s6", "s7", "5", "S2", ""]), names))
+def test_an_alexnet_split_point_is_checked_for_every_algorithm(algorithm, split, tmp_path, capsys):
+    # the FedAvg family never splits: without the check at the boundary a typo trains unnoticed
+    out = tmp_path / "out"
+    exits_2_naming(run_argv(out, "--algo", algorithm, "--model", "alexnet", "--split", split),
+                   "split", capsys, out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(run_argv(out, "--algo", algorithm, "--split", split))
+    assert "s1, s2, s3, s4, s5" in capsys.readouterr().err  # the valid points, from the model itself
+
+
+def test_split_points_of_other_models_are_left_to_the_split_algorithms():
+    from fedlt.config import RunConfig
+
+    # the default split 's2' is AlexNet's: FedAvg on a timm or MLP model must not need --split
+    assert RunConfig(algorithm="fedavg", model="timm:resnet18").split == "s2"
+    assert RunConfig(algorithm="fedavg", model="mlp", split="anything").split == "anything"
+    assert RunConfig(algorithm="fedavg", model="alexnet", split="3").split == "3"  # an index is a cut point too
+
+
 def test_a_split_algorithm_on_a_model_that_cannot_be_split(tmp_path, capsys):
     out = tmp_path / "out"
     exits_2_naming(run_argv(out, "--algo", "scala", "--model", "mlp"), "split", capsys, out)

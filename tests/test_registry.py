@@ -104,6 +104,27 @@ def test_entry_point_plugins_load_lazily_builtin_wins_broken_warns(fake_distribu
     assert reg.list() == ["dirichlet", "quantity", "shards"]
 
 
+@pytest.mark.parametrize("load_before", [False, True])
+def test_a_temporary_entry_hides_a_plugin_only_inside_its_block(fake_distributions, load_before):
+    reg = make_registry(group="fedlt.tests-widgets")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if load_before:
+            assert reg.create("shards", n=2) == ("shards", 2)
+        with reg.temporary("shards", "temporary") as obj:
+            assert obj == "temporary"
+            assert reg.list() == ["dirichlet", "quantity", "shards"]  # loads the plugins if not yet
+            assert reg.get("shards") == "temporary"
+        assert reg.create("shards", n=3) == ("shards", 3)  # the plugin is back
+    messages = [str(w.message) for w in caught]
+    assert not any("'shards'" in m for m in messages), messages
+    assert any("'dirichlet'" in m and "built-in" in m for m in messages), messages  # built-ins still win
+    with pytest.raises(FedltError, match="already registered"):
+        with reg.temporary("dirichlet", "temporary"):
+            pass
+    assert reg.create("dirichlet") == ("dirichlet", 1.0)
+
+
 def test_entry_point_group_of_each_builtin_kind():
     import fedlt.aggregators
     import fedlt.algorithms
@@ -113,6 +134,6 @@ def test_entry_point_group_of_each_builtin_kind():
     import fedlt.partitioners
 
     groups = {m.REGISTRY.group for m in (fedlt.partitioners, fedlt.datasets, fedlt.models, fedlt.losses,
-                                         fedlt.aggregators, fedlt.algorithms)}
+                                         fedlt.aggregators, fedlt.algorithms)} | {fedlt.models.SPLITTERS.group}
     assert groups == {"fedlt.partitioners", "fedlt.datasets", "fedlt.models", "fedlt.losses",
-                      "fedlt.aggregators", "fedlt.algorithms"}
+                      "fedlt.aggregators", "fedlt.algorithms", "fedlt.splitters"}
