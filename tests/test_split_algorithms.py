@@ -128,13 +128,9 @@ def test_v1_equals_v2_for_a_single_client_in_the_first_round():
     assert not differs(snapshot(a.global_model()), snapshot(b.global_model()))
 
 
-def test_v3_keeps_distinct_client_models_across_rounds(monkeypatch):
-    algorithm = make("splitfed_v3")
-    clients = clients_with()
-    algorithm.train_round(0, clients)
-    kept = [algorithm._client_states[c.cid]["client_model"] for c in clients]
-    assert differs(kept[0], kept[1]) and differs(kept[1], kept[2])
-    starts = []
+def record_replica_starts(monkeypatch) -> list[dict]:
+    """The start state of every Replica made from now on (client parts first, then server copies)."""
+    starts: list[dict] = []
     original_init = Replica.__init__
 
     def spy(self, module, start, schedule):
@@ -142,6 +138,16 @@ def test_v3_keeps_distinct_client_models_across_rounds(monkeypatch):
         original_init(self, module, start, schedule)
 
     monkeypatch.setattr(Replica, "__init__", spy)
+    return starts
+
+
+def test_v3_keeps_distinct_client_models_across_rounds(monkeypatch):
+    algorithm = make("splitfed_v3")
+    clients = clients_with()
+    algorithm.train_round(0, clients)
+    kept = [algorithm._client_states[c.cid]["client_model"] for c in clients]
+    assert differs(kept[0], kept[1]) and differs(kept[1], kept[2])
+    starts = record_replica_starts(monkeypatch)
     algorithm.train_round(1, clients)
     for own, start in zip(kept, starts):  # each client resumed from its own model, not an average
         assert not differs(own, start)
@@ -153,14 +159,7 @@ def test_v3_client_first_seen_later_starts_from_the_initial_model_not_an_average
     first, newcomer = clients_with()[:2], clients_with()[2]
     algorithm.train_round(0, first)
     assert differs(initial, snapshot(algorithm._client_side))  # the evaluation-only average moved
-    starts = []
-    original_init = Replica.__init__
-
-    def spy(self, module, start, schedule):
-        starts.append(start)
-        original_init(self, module, start, schedule)
-
-    monkeypatch.setattr(Replica, "__init__", spy)
+    starts = record_replica_starts(monkeypatch)
     algorithm.train_round(1, [newcomer])
     assert not differs(initial, starts[0])
 
