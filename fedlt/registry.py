@@ -31,8 +31,6 @@ class Registry(Generic[T]):
         self._entries: dict[str, T] = {}
         self._plugins_loaded = False
         self._plugin_names: set[str] = set()  # entries that came from entry points
-        self._temporary: set[str] = set()  # names registered by an active ``temporary`` block
-        self._shadowed: dict[str, T] = {}  # plugins hidden by a temporary entry of the same name
 
     # -- registration -------------------------------------------------------------------------
     def register(self, name: str | None = None) -> Callable[[T], T]:
@@ -53,27 +51,22 @@ class Registry(Generic[T]):
     def temporary(self, name: str, obj: T) -> Iterator[T]:
         """Register ``obj`` for the duration of a ``with`` block (tests, notebooks).
 
-        It may hide a plugin of the same name (loaded before or during the block; the plugin is
-        back afterwards), never a built-in.
+        It may hide a plugin of the same name (the plugin is back afterwards), never a built-in.
         """
-        if name in self._temporary:
-            raise FedltError(f"{self.kind} {name!r} is already registered")
-        if name in self._plugin_names and name in self._entries:
-            self._shadowed[name] = self._entries.pop(name)
+        self._load_plugins()  # now, so that no plugin arrives during the block under this name
+        hidden = self._entries.pop(name) if name in self._plugin_names and name in self._entries else None
         try:
             self.add(name, obj)
         except FedltError:
-            if name in self._shadowed:
-                self._entries[name] = self._shadowed.pop(name)
+            if hidden is not None:
+                self._entries[name] = hidden
             raise
-        self._temporary.add(name)
         try:
             yield obj
         finally:
-            self._temporary.discard(name)
             self._entries.pop(name, None)
-            if name in self._shadowed:
-                self._entries[name] = self._shadowed.pop(name)
+            if hidden is not None:
+                self._entries[name] = hidden
 
     # -- lookup -------------------------------------------------------------------------------
     def get(self, name: str) -> T:
@@ -110,7 +103,7 @@ class Registry(Generic[T]):
         self._plugins_loaded = True
         for ep in entry_points(group=self.group):
             dist = ep.dist.name if ep.dist is not None else "unknown distribution"
-            if ep.name in self._plugin_names or (ep.name in self._entries and ep.name not in self._temporary):
+            if ep.name in self._entries:
                 holder = "another plugin" if ep.name in self._plugin_names else "a built-in component"
                 warnings.warn(
                     f"fedlt: {self.kind} {ep.name!r} from plugin {dist!r} ignored: {holder} has that name",
@@ -127,7 +120,4 @@ class Registry(Generic[T]):
                 )
                 continue
             self._plugin_names.add(ep.name)
-            if ep.name in self._temporary:  # hidden until the temporary entry's block ends
-                self._shadowed[ep.name] = obj
-            else:
-                self._entries[ep.name] = obj
+            self._entries[ep.name] = obj
