@@ -23,7 +23,8 @@ def partition_overrides(partition: str | None, then: str | None, flags: dict[str
     default); None when no partition flag was given.
 
     The scheme is ``--partition``, else the one a lone flag implies (``--beta`` dirichlet,
-    ``--alpha`` quantity), else ``current``'s. The same scheme as ``current`` keeps its parameters
+    ``--alpha`` quantity), else ``current``'s; over a ``longtail`` base a lone flag applies to
+    the inner scheme instead (``--beta`` makes it dirichlet). The same scheme as ``current`` keeps its parameters
     and the flags override them key by key; another scheme starts from the flags alone (the
     current parameters belong to a different partitioner). With ``longtail`` the scheme flags go
     to the inner partitioner ``--then``, merged likewise when it is the current inner one.
@@ -31,8 +32,12 @@ def partition_overrides(partition: str | None, then: str | None, flags: dict[str
     given = {k: v for k, v in flags.items() if v is not None}
     if partition is None and not given and then is None:
         return None
-    if partition is None:
-        partition = "dirichlet" if "beta" in given else "quantity" if "alpha" in given else current.get("name", "quantity")
+    implied = "dirichlet" if "beta" in given else "quantity" if "alpha" in given else None
+    if partition is None and current.get("name") == "longtail":
+        partition = "longtail"  # scheme flags tune the inner partitioner; --beta alone means a dirichlet one
+        then = then or implied
+    elif partition is None:
+        partition = implied or current.get("name", "quantity")
     base = dict(current) if partition == current.get("name") else {"name": partition}
     if partition == "longtail":
         outer = {"imbalance_factor": given.pop("imbalance_factor")} if "imbalance_factor" in given else {}

@@ -105,6 +105,13 @@ def test_longtail_flags_merge_into_the_outer_and_the_same_inner_scheme(tmp_path,
     assert cfg.partition["then"] == {"name": "dirichlet", "beta": 0.5, "min_size": 2}
     cfg = resolved("--config", str(path), "--partition", "longtail", "--then", "iid")
     assert cfg.partition == {"name": "longtail", "imbalance_factor": 100, "then": {"name": "iid"}}
+    # over a longtail file, a lone scheme flag tunes the inner scheme, not a new plain partition
+    cfg = resolved("--config", str(path), "--beta", "0.1")
+    assert cfg.partition == {"name": "longtail", "imbalance_factor": 100, "then": {"name": "dirichlet", "beta": 0.1}}
+    cfg = resolved("--config", str(path), "--alpha", "2")
+    assert cfg.partition == {"name": "longtail", "imbalance_factor": 100, "then": {"name": "quantity", "alpha": 2}}
+    cfg = resolved("--config", str(path), "--imbalance-factor", "10")
+    assert cfg.partition == {"name": "longtail", "imbalance_factor": 10.0, "then": {"name": "dirichlet", "beta": 0.5}}
 
 
 def test_a_tiny_run_from_a_file_with_a_flag_and_the_default_partition_named(tmp_path):
