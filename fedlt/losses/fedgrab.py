@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from fedlt.errors import FedltError
 from fedlt.losses import register
-from fedlt.losses.base import LossTerm, as_vector, check_batch, check_choice, check_number, fail
+from fedlt.losses.base import DeviceCache, LossTerm, as_vector, check_batch, check_choice, check_number, fail
 
 _PER_CLASS_KEYS = ("pos", "neg", "u", "e1", "e2")
 
@@ -28,17 +28,18 @@ def phi(x: torch.Tensor, gamma: float = 10.0, delta: float = 9.0, zeta: float = 
     return gamma / (1.0 + delta * torch.exp(-zeta * x))
 
 
-def sgb_base_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor,
-                           base: str) -> tuple[torch.Tensor, torch.Tensor]:
+def sgb_base_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, base: str,
+                           is_target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The base loss L and g = ∂L/∂z in closed form (no autograd), both in the logits' dtype.
 
     ``sigmoid``: L = (1/B)·Σ_i Σ_c BCE-with-logits(z_ic, onehot_ic), g = (σ(z) − onehot)/B.
     ``softmax``: L = CE(z, y), g = (softmax(z) − onehot)/B.
+    ``is_target`` is the B×C one-hot of ``targets`` when the caller already has it.
     """
     with torch.no_grad():
         z = logits.detach()
         B, C = z.shape
-        onehot = F.one_hot(targets, C).to(z.dtype)
+        onehot = (F.one_hot(targets, C) if is_target is None else is_target).to(z.dtype)
         if base == "sigmoid":
             value = F.binary_cross_entropy_with_logits(z, onehot, reduction="sum") / B
             grad = (torch.sigmoid(z) - onehot) / B
@@ -141,7 +142,7 @@ class SGB(LossTerm):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise fail(self.name, f"seed must be an int, got {seed!r}")
         self.num_classes = None if num_classes is None else int(num_classes)
-        self.prior: torch.Tensor | None = None
+        self.prior = None
         if prior is not None:
             self.set_prior(prior)
         self.generator = torch.Generator()
@@ -150,6 +151,15 @@ class SGB(LossTerm):
         self._s: dict[str, torch.Tensor] | None = None
         if self.num_classes is not None:
             self._init_state(self.num_classes, torch.device("cpu"))
+
+    @property
+    def prior(self) -> torch.Tensor | None:
+        """The gating probabilities P_c (float64, CPU), or None: no gating."""
+        return None if self._prior is None else self._prior.vec
+
+    @prior.setter
+    def prior(self, p: torch.Tensor | None) -> None:
+        self._prior = None if p is None else DeviceCache(p)  # its copy on the logits' device
 
     def set_prior(self, prior: Any) -> None:
         """Set the gating probabilities P_c (length C, each in [0, 1]); None turns gating off."""
@@ -189,23 +199,26 @@ class SGB(LossTerm):
         # 2–3. weights, then gating by the prior.
         w_pos = phi(s["u"], self.gamma, self.delta, self.zeta)
         w_neg = phi(-s["u"], self.gamma, self.delta, self.zeta)
-        if self.prior is not None:
+        keep = None  # no prior: every class is collected
+        if self._prior is not None:
             r = torch.rand(C, generator=self.generator, dtype=torch.float64).to(logits.device)
-            gated = r <= self.prior.to(logits.device)
-            w_pos = torch.where(gated, torch.ones_like(w_pos), w_pos)
-            w_neg = torch.where(gated, torch.ones_like(w_neg), w_neg)
-        else:
-            gated = torch.zeros(C, dtype=torch.bool, device=logits.device)
+            gated = r <= self._prior.get(logits.device, self._prior.vec.dtype)
+            w_pos = w_pos.masked_fill(gated, 1.0)
+            w_neg = w_neg.masked_fill(gated, 1.0)
+            keep = (~gated).to(torch.float64)
         # 4–5. unweighted value, re-weighted gradient.
-        value, grad = sgb_base_loss_and_grad(logits, targets, self.base)
         is_target = F.one_hot(targets, C).bool()
+        value, grad = sgb_base_loss_and_grad(logits, targets, self.base, is_target)
         weights = torch.where(is_target, w_pos.unsqueeze(0), w_neg.unsqueeze(0))
         grad = grad * weights.to(grad.dtype)
         # 6. collector, only for the classes that were re-weighted this step.
         mag = grad.abs().to(torch.float64)
-        keep = (~gated).to(torch.float64)
-        s["pos"] += keep * mag.masked_fill(~is_target, 0.0).sum(dim=0)
-        s["neg"] += keep * mag.masked_fill(is_target, 0.0).sum(dim=0)
+        pos = mag.masked_fill(~is_target, 0.0).sum(dim=0)
+        neg = mag.masked_fill(is_target, 0.0).sum(dim=0)
+        if keep is not None:
+            pos, neg = keep * pos, keep * neg
+        s["pos"] += pos
+        s["neg"] += neg
         self.steps += 1
 
         if not (logits.requires_grad and torch.is_grad_enabled()):
