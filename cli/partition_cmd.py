@@ -12,10 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fedlt.cli.app import app
+from fedlt.config import DEFAULT_PARTITION
 from fedlt.errors import FedltError
 
-# With no scheme flag at all, show what `fedlt run` partitions by default.
-DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
 # A lone scheme flag names its scheme, as in `fedlt run`.
 FLAG_SCHEME = {"beta": "dirichlet", "min_size": "dirichlet", "alpha": "quantity",
                "shards_per_client": "shards", "imbalance_factor": "longtail"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -13,8 +12,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedlt.cli.app import app
 from fedlt.errors import FedltError
-
-PARTITION_FLAGS = ("alpha", "beta", "min_size", "shards_per_client", "imbalance_factor")
 
 
 def partition_overrides(partition: str | None, then: str | None, flags: dict[str, Any],
@@ -131,7 +128,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run a federated experiment and write its run directory."""
-    from fedlt.config import RunConfig, merge, read_config_file
+    from fedlt.config import DEFAULT_PARTITION, RunConfig, merge, read_config_file
     from fedlt.engine import RunStopped
     from fedlt.engine import run as run_experiment
 
@@ -169,8 +166,7 @@ def run(
         overrides["algorithm_params"] = {}  # another algorithm's parameters would not fit this one
     flags = dict(alpha=alpha, beta=beta, min_size=min_size, shards_per_client=shards_per_client,
                  imbalance_factor=imbalance_factor)
-    default_partition = RunConfig.model_fields["partition"].get_default(call_default_factory=True)
-    new_partition = partition_overrides(partition, then, flags, base.get("partition", default_partition))
+    new_partition = partition_overrides(partition, then, flags, base.get("partition", DEFAULT_PARTITION))
     if new_partition is not None:
         base = {k: v for k, v in base.items() if k != "partition"}
         overrides["partition"] = new_partition

@@ -3,6 +3,7 @@ with the activation the client sends and the parameter count on each side."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -30,8 +31,7 @@ def input_shape(dataset: str) -> tuple[int, int, int]:
     import fedlt.datasets
 
     data = fedlt.datasets.create(dataset)  # a plugin dataset: its tensors say what it is
-    _, chans, height, _ = data.x_train.shape
-    return int(chans), int(height), int(data.num_classes)
+    return data.in_chans, data.image_size, int(data.num_classes)
 
 
 def splits_table(model_name: str, points, chans: int, size: int, num_classes: int) -> Table:
@@ -47,12 +47,9 @@ def splits_table(model_name: str, points, chans: int, size: int, num_classes: in
     table.add_column("client params", justify="right")
     table.add_column("server params", justify="right")
     for p in points:
-        numel = 1
-        for d in p.activation_shape:
-            numel *= d
         table.add_row(
             str(p.index), p.name, p.module, "×".join(map(str, p.activation_shape)),
-            f"{numel:,}", f"{p.client_params:,}", f"{p.server_params:,}",
+            f"{math.prod(p.activation_shape):,}", f"{p.client_params:,}", f"{p.server_params:,}",
         )
     return table
 

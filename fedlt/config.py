@@ -17,6 +17,9 @@ from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from fedlt.errors import FedltError, describe
 
+# The partition a run uses when none is given (also what `fedlt partition` shows without flags).
+DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -91,7 +94,7 @@ class RunConfig(Strict):
     train_limit: PositiveInt | None = Field(None, description="use only the first N training samples")
     test_limit: PositiveInt | None = Field(None, description="use only the first N test samples")
     # partition
-    partition: dict[str, Any] = Field(default_factory=lambda: {"name": "quantity", "alpha": 2})
+    partition: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_PARTITION))
     partition_file: Path | None = None
     clients: PositiveInt = 100
     # model

@@ -15,7 +15,8 @@ import numpy as np
 from fedlt.errors import FedltError
 
 
-def _new_figure(width: float, height: float) -> Any:
+def new_figure(width: float, height: float) -> Any:
+    """A constrained-layout ``Figure`` on its own Agg canvas (no pyplot state); also used by ``fedlt.report``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -49,7 +50,7 @@ def partition_heatmap(class_counts: Any, path: str | Path, title: str | None = N
     cell = 0.55 if annotate else 0.12  # inches per cell: room for the numbers when they are drawn
     width = float(np.clip(num_classes * cell + 2.5, 4.0, 16.0))
     height = float(np.clip(num_clients * cell + 1.5, 3.0, 14.0))
-    fig = _new_figure(width, height)
+    fig = new_figure(width, height)
     ax = fig.add_subplot()
     image = ax.imshow(counts, aspect="auto", cmap="YlGnBu", interpolation="nearest")
     fig.colorbar(image, ax=ax, label="samples")

@@ -132,15 +132,6 @@ def table(runs: list[Run]):
 
 
 # -- figures ------------------------------------------------------------------------------------
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def _save(fig, path: Path) -> Path:
     # PNG through a temporary file: a half-drawn figure never replaces a good one
     io._atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
@@ -148,7 +139,9 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_accuracy(runs: list[Run], path: Path) -> Path:
-    fig = _figure(11, 4.2)
+    from fedlt.plots import new_figure
+
+    fig = new_figure(11, 4.2)
     top, balanced = fig.subplots(1, 2, sharey=True)
     for run in runs:
         x = [r["round"] for r in run.metrics]
@@ -171,8 +164,10 @@ def plot_accuracy(runs: list[Run], path: Path) -> Path:
 def plot_per_class(runs: list[Run], path: Path) -> Path:
     import numpy as np
 
+    from fedlt.plots import new_figure
+
     num_classes = max(len(run.final["per_class_accuracy"]) for run in runs)
-    fig = _figure(float(np.clip(0.35 * num_classes * max(len(runs), 1) ** 0.5 + 3, 6, 24)), 4.2)
+    fig = new_figure(float(np.clip(0.35 * num_classes * max(len(runs), 1) ** 0.5 + 3, 6, 24)), 4.2)
     ax = fig.add_subplot()
     width = 0.8 / len(runs)
     for k, run in enumerate(runs):

@@ -14,7 +14,7 @@ from torch import nn
 
 from fedlt.errors import FedltError
 from fedlt.models.alexnet import MLP, AlexNet
-from fedlt.models.splitting import SPLITTERS, SplitPoint, cut_points, split_points  # noqa: F401
+from fedlt.models.splitting import SPLITTERS, SplitPoint, cut_points, split, split_points  # noqa: F401
 from fedlt.registry import Registry
 
 REGISTRY: Registry = Registry("model")
@@ -43,12 +43,6 @@ def build(name: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.
     else:
         model = REGISTRY.create(name, in_chans=in_chans, num_classes=num_classes, image_size=image_size)
     return model.to(memory_format=torch.channels_last)
-
-
-def split(model: nn.Module, at: str | int) -> tuple[nn.Module, nn.Module]:
-    from fedlt.models.splitting import split as split_model
-
-    return split_model(model, at)
 
 
 def classifier(model: nn.Module) -> nn.Linear:

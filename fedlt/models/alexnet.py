@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from fedlt.errors import FedltError
+
 # Split point -> number of the 14 layers kept on the client (SPEC §3).
 ALEXNET_SPLIT_POINTS: dict[str, int] = {"s1": 3, "s2": 6, "s3": 7, "s4": 11, "s5": 13}
 
@@ -44,8 +46,6 @@ class AlexNet(nn.Sequential):
 
     def split(self, at: str) -> tuple[nn.Sequential, nn.Sequential]:
         """(client, server) sharing this model's modules: layers 1..L and L+1..14."""
-        from fedlt.errors import FedltError
-
         if at not in ALEXNET_SPLIT_POINTS:
             raise FedltError(
                 f"split {at!r} is not a split point of alexnet (valid: {', '.join(ALEXNET_SPLIT_POINTS)})"
