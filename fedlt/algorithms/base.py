@@ -136,10 +136,9 @@ class RunContext:
     device: torch.device
 
     def schedule(self, batch: int) -> LocalSchedule:
-        if self.local_epochs is not None:
-            return LocalSchedule(self.batch_size, epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
-                                 weight_decay=self.weight_decay, clip=self.clip)
-        return LocalSchedule(batch, iters=self.local_iters, lr=self.lr, momentum=self.momentum,
+        """Client k's schedule: B_k samples per step, or ``batch_size`` when training by epochs."""
+        return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
+                             epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
                              weight_decay=self.weight_decay, clip=self.clip)
 
 
@@ -160,3 +159,23 @@ class NonFiniteLoss(FedltError):
 def check_finite(value: torch.Tensor, where: str) -> None:
     if not torch.isfinite(value.detach()).all():
         raise NonFiniteLoss(f"non-finite loss ({value.item()}) at {where}")
+
+
+def objective_value(objective, logits: torch.Tensor, labels: torch.Tensor, where: str,
+                    teacher: Callable[[], torch.Tensor] | None = None, params: list | None = None) -> torch.Tensor:
+    """One step's loss, given what its terms ask for: ``teacher()`` the global model's logits on
+    the same inputs (run without grad, only if a term needs them), ``params`` the trained weights."""
+    extra: dict[str, Any] = {}
+    if objective.needs_teacher:
+        with torch.no_grad():
+            extra["teacher_logits"] = teacher()
+    if objective.needs_params:
+        extra["params"] = params
+    value = objective(logits, labels, **extra)
+    check_finite(value, where)
+    return value
+
+
+def objective_seed(sampling_seed: int, cid: int) -> int:
+    """The seed of client ``cid``'s loss terms (SGB's gating); -1 is the server side's."""
+    return sampling_seed * 100_003 + cid

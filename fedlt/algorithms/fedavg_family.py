@@ -17,9 +17,9 @@ from torch import nn
 
 import fedlt.aggregators
 import fedlt.losses
-from fedlt.algorithms import register
-from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext, check_finite,
-                                   client_generator, proportional_batches)
+from fedlt.algorithms import preset
+from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext,
+                                   client_generator, objective_seed, objective_value, proportional_batches)
 from fedlt.errors import FedltError
 from fedlt.models import classifier
 
@@ -69,14 +69,8 @@ def local_update(model: nn.Module, global_state: State, data: ClientData, client
     total, steps = 0.0, 0
     for idx in schedule.batches(len(data), generator):
         x, y = data.x[idx], data.y[idx]
-        extra: dict[str, Any] = {}
-        if objective.needs_teacher:
-            with torch.no_grad():
-                extra["teacher_logits"] = teacher_model(x)
-        if objective.needs_params:
-            extra["params"] = params
-        loss = objective(model(x), y, **extra)
-        check_finite(loss, f"local step {steps + 1}, client {data.cid}, loss {objective_expr!r}")
+        loss = objective_value(objective, model(x), y, f"local step {steps + 1}, client {data.cid}, loss "
+                               f"{objective_expr!r}", teacher=lambda: teacher_model(x), params=params)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         schedule.clip_(params)
@@ -114,7 +108,7 @@ class FedAvgFamily(BaseModel):
 
     def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]:
         ctx = self._ctx
-        global_state = {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+        global_state = self._model.state_dict()  # unchanged until aggregation: no copy needed
         batches = proportional_batches([len(c) for c in clients], ctx.server_batch)
         updates, losses = [], []
         for data, batch in zip(clients, batches):
@@ -122,7 +116,7 @@ class FedAvgFamily(BaseModel):
                 self._work, global_state, data, self._client_states.get(data.cid, {}), self.loss,
                 ctx.schedule(batch), client_generator(ctx.sampling_seed, round_index, data.cid), ctx.num_classes,
                 teacher=self._teacher_module,
-                seed=ctx.sampling_seed * 100_003 + data.cid,
+                seed=objective_seed(ctx.sampling_seed, data.cid),
             )
             if state:
                 self._client_states[data.cid] = state
@@ -142,17 +136,11 @@ class FedAvgFamily(BaseModel):
         self._client_states = {int(k): v for k, v in state["client_states"].items()}
 
 
-def _preset(name: str, loss: str, doc: str) -> None:
-    def factory(**params: Any) -> FedAvgFamily:
-        return FedAvgFamily(**{"loss": loss, **params})
-
-    factory.__doc__ = doc
-    register(name)(factory)
-
-
-_preset("fedavg", "ce", "FedAvg: cross-entropy locally, |D_k|-weighted averaging.")
-_preset("fedprox", "ce + fedprox(mu=0.01)", "FedProx: CE + (mu/2)·‖w − w_global‖².")
-_preset("fedlogit", "logit_adjust(tau=1)", "FedLogit: logit-adjusted CE with the client's prior.")
-_preset("fedlc", "fedlc(tau=0.5)", "FedLC: CE on logits calibrated by −tau·n_c^(−1/4).")
-_preset("fedvls", "fedvls(lam=0.1)", "FedVLS: logit adjustment + vacant-class distillation + logit suppression.")
-_preset("fedgrab", "fedgrab", "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.")
+preset("fedavg", FedAvgFamily, "FedAvg: cross-entropy locally, |D_k|-weighted averaging.", loss="ce")
+preset("fedprox", FedAvgFamily, "FedProx: CE + (mu/2)·‖w − w_global‖².", loss="ce + fedprox(mu=0.01)")
+preset("fedlogit", FedAvgFamily, "FedLogit: logit-adjusted CE with the client's prior.", loss="logit_adjust(tau=1)")
+preset("fedlc", FedAvgFamily, "FedLC: CE on logits calibrated by −tau·n_c^(−1/4).", loss="fedlc(tau=0.5)")
+preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distillation + logit suppression.",
+       loss="fedvls(lam=0.1)")
+preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
+       loss="fedgrab")

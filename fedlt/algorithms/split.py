@@ -22,9 +22,9 @@ from torch.func import functional_call
 
 import fedlt.aggregators
 import fedlt.losses
-from fedlt.algorithms import register
-from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext, check_finite,
-                                   client_generator, eval_mode, proportional_batches)
+from fedlt.algorithms import preset
+from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext,
+                                   client_generator, eval_mode, objective_seed, objective_value, proportional_batches)
 from fedlt.errors import FedltError
 from fedlt.models import classifier, split
 
@@ -166,7 +166,7 @@ class SplitLearning(BaseModel):
     # -- one round ------------------------------------------------------------------------------
     def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]:
         ctx = self._ctx
-        start = {n: t.detach().clone() for n, t in self._client_side.state_dict().items()}
+        start = self._client_side.state_dict()  # unchanged until _finish_round; replicas copy it
         server_start = {n: t.detach().clone() for n, t in self._server.state_dict().items()}
         batches = proportional_batches([len(c) for c in clients], ctx.server_batch)
         head_weight = self._head_weight()  # the received global classifier (Fed-GraB's DPA prior)
@@ -229,15 +229,9 @@ class SplitLearning(BaseModel):
         labels = torch.cat(ys)
         logits = server(joined)
         objective = server_objective(labels)
-        extra: dict[str, Any] = {}
-        if objective.needs_teacher:
-            with torch.no_grad():
-                extra["teacher_logits"] = teacher(torch.cat(xs))
         params = server.parameters()
-        if objective.needs_params:
-            extra["params"] = params
-        server_loss = objective(logits, labels, **extra)
-        check_finite(server_loss, f"{where}, server loss {self.server_loss!r}")
+        server_loss = objective_value(objective, logits, labels, f"{where}, server loss {self.server_loss!r}",
+                                      teacher=lambda: teacher(torch.cat(xs)), params=params)
         self._server_loss_state = objective.state_dict()
         server_grads = torch.autograd.grad(server_loss, params, retain_graph=not self.local_loss)
         client_grads: list[tuple] = [(None, None)] * len(sizes)
@@ -258,15 +252,8 @@ class SplitLearning(BaseModel):
         return client_grads, float(server_loss.detach())
 
     def _client_value(self, objective, logits, labels, teacher, x, replica: Replica, where: str) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        if objective.needs_teacher:
-            with torch.no_grad():
-                extra["teacher_logits"] = teacher(x)
-        if objective.needs_params:
-            extra["params"] = replica.parameters()
-        value = objective(logits, labels, **extra)
-        check_finite(value, f"{where}, client loss {self.client_loss!r}")
-        return value
+        return objective_value(objective, logits, labels, f"{where}, client loss {self.client_loss!r}",
+                               teacher=lambda: teacher(x), params=replica.parameters())
 
     def _finish_round(self, clients, replicas, servers, objectives) -> None:
         aggregate = fedlt.aggregators.get(self.aggregator)
@@ -281,7 +268,7 @@ class SplitLearning(BaseModel):
             if o.state_dict():
                 state["loss"] = o.state_dict()
             if not self.average_clients:
-                state["client_model"] = {n: t.clone() for n, t in r.state().items()}
+                state["client_model"] = r.state()  # the replica is discarded; the next one copies it
             if state:
                 self._client_states[c.cid] = state
 
@@ -302,7 +289,7 @@ class SplitLearning(BaseModel):
         objective = fedlt.losses.build(
             self.client_loss, class_counts=data.class_counts, num_classes=self._ctx.num_classes,
             classifier_weight=head_weight, global_params=[start[n] for n in param_names],
-            seed=self._ctx.sampling_seed * 100_003 + data.cid,
+            seed=objective_seed(self._ctx.sampling_seed, data.cid),
         )
         saved = self._client_states.get(data.cid, {}).get("loss")
         if saved:
@@ -317,7 +304,7 @@ class SplitLearning(BaseModel):
         objective = fedlt.losses.build(
             self.server_loss, class_counts=prior_counts, num_classes=self._ctx.num_classes,
             classifier_weight=head_weight, global_params=[server_start[n] for n in param_names],
-            seed=self._ctx.sampling_seed * 100_003 - 1,
+            seed=objective_seed(self._ctx.sampling_seed, -1),
         )
         if self._server_loss_state:
             objective.load_state_dict(self._server_loss_state)
@@ -357,20 +344,16 @@ class SplitLearning(BaseModel):
         self._server_loss_state = state.get("server_loss_state", {})  # absent in older checkpoints
 
 
-def _preset(name: str, doc: str, **defaults: Any) -> None:
-    def factory(**params: Any) -> SplitLearning:
-        return SplitLearning(**{**defaults, **params})
+SPLITFED = {"client_loss": "ce", "server_loss": "ce"}  # SplitFed's one CE loss on both sides
 
-    factory.__doc__ = doc
-    register(name)(factory)
-
-
-_preset("scala", "SCALA: concatenated activations, logit adjustment with P_s (server) and p_k (clients).")
-_preset("splitfed_v1", "SplitFed V1: a server copy per client, server copies and client parts averaged.",
-        server_mode="copies", client_loss="ce", server_loss="ce")
-_preset("splitfed_v2", "SplitFed V2: one server updated by each client's batch in turn; client parts averaged.",
-        server_mode="sequential", client_loss="ce", server_loss="ce")
-_preset("splitfed_v3", "SplitFed V3: client parts kept per client, server copies averaged.",
-        server_mode="copies", average_clients=False, client_loss="ce", server_loss="ce")
-_preset("sfl_localloss", "SFL-LocalLoss: clients train with a local auxiliary head; no gradient from the server.",
-        server_mode="sequential", local_loss=True, client_loss="ce", server_loss="ce")
+preset("scala", SplitLearning, "SCALA: concatenated activations, logit adjustment with P_s (server) and p_k (clients).")
+preset("splitfed_v1", SplitLearning, "SplitFed V1: a server copy per client, server copies and client parts averaged.",
+       server_mode="copies", **SPLITFED)
+preset("splitfed_v2", SplitLearning,
+       "SplitFed V2: one server updated by each client's batch in turn; client parts averaged.",
+       server_mode="sequential", **SPLITFED)
+preset("splitfed_v3", SplitLearning, "SplitFed V3: client parts kept per client, server copies averaged.",
+       server_mode="copies", average_clients=False, **SPLITFED)
+preset("sfl_localloss", SplitLearning,
+       "SFL-LocalLoss: clients train with a local auxiliary head; no gradient from the server.",
+       server_mode="sequential", local_loss=True, **SPLITFED)
