@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as typer_click
 from pydantic import ValidationError
 
-from fedlt.errors import FedltError, describe
+from fedlt.errors import FedltError, describe, first_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {describe(exc)}", file=sys.stderr)
         sys.exit(2)
     except FedltError as exc:
-        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        print(f"error: {first_line(exc)}", file=sys.stderr)
         sys.exit(2)
     if isinstance(code, int) and code:  # typer returns (not raises) Exit codes, e.g. 130 on Ctrl-C
         sys.exit(code)

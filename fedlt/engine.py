@@ -42,7 +42,7 @@ from fedlt import io
 from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext
 from fedlt.config import RunConfig
 from fedlt.datasets.base import InMemoryDataset
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.metrics import class_groups, evaluate
 
 CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
@@ -217,8 +217,7 @@ def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig) -> RunS
     try:
         prep.algorithm.load_state_dict(saved["algorithm"])
     except (KeyError, RuntimeError, ValueError, TypeError, FedltError) as exc:
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise FedltError(f"{path} does not fit this run's model or algorithm ({reason})") from None
+        raise FedltError(f"{path} does not fit this run's model or algorithm ({first_line(exc)[:200]})") from None
     return RunState(saved["round"], list(saved["metrics"]), saved["wall_time"], checkpoint_round=saved["round"])
 
 

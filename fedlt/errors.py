@@ -16,6 +16,12 @@ class UnknownNameError(FedltError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def describe(exc: ValidationError) -> str:
     """A pydantic error as one line: 'field.path: message' for each problem.
 

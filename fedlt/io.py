@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 
 CHECKPOINT_FORMAT = "fedlt-checkpoint-1"
 CHECKPOINT_KEYS = {"format": str, "config_digest": str, "partition_sha256": str, "round": int, "algorithm": dict,
@@ -90,7 +90,7 @@ def read_json(path: Path, what: str = "file") -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FedltError(f"{path} is not a valid {what} ({str(exc).splitlines()[0][:200]})") from None
+        raise FedltError(f"{path} is not a valid {what} ({first_line(exc)[:200]})") from None
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -122,7 +122,7 @@ def load_checkpoint(path: Path) -> dict:
         raise FedltError(f"{path} is not a valid fedlt checkpoint ({reason[:200]}; truncated, tampered, "
                          "or not written by fedlt)") from None
     except Exception as exc:  # truncated or foreign
-        reason = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc).split(". ")[0]
         raise FedltError(f"{path} is not a valid fedlt checkpoint ({type(exc).__name__}: {reason[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise FedltError(f"{path} is not a fedlt checkpoint (expected format {CHECKPOINT_FORMAT!r})")

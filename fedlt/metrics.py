@@ -13,15 +13,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedlt.models import eval_mode
+
 
 @torch.no_grad()
 def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 2048, device: str | torch.device = "cpu") -> torch.Tensor:
     """Logits for every row of ``x`` (eval mode restored to the caller's mode afterwards)."""
-    was_training = model.training
-    model.eval()
-    out = torch.cat([model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
-    model.train(was_training)
-    return out
+    with eval_mode(model):
+        return torch.cat([model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
 
 
 def class_groups(train_counts: np.ndarray, rule: Literal["count", "share"] = "count",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -87,20 +86,6 @@ class LocalSchedule:
     def clip_(self, params) -> None:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
-
-
-@contextmanager
-def eval_mode(*modules: nn.Module) -> Iterator[None]:
-    """Run modules in eval mode (BatchNorm uses, and does not update, its running statistics),
-    then restore each one's mode."""
-    modes = [m.training for m in modules]
-    for m in modules:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, modes):
-            m.train(mode)
 
 
 def proportional_batches(sizes: list[int], server_batch: int) -> list[int]:

@@ -24,9 +24,9 @@ import fedlt.aggregators
 import fedlt.losses
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext,
-                                   client_generator, eval_mode, objective_seed, objective_value, proportional_batches)
+                                   client_generator, objective_seed, objective_value, proportional_batches)
 from fedlt.errors import FedltError
-from fedlt.models import classifier, split
+from fedlt.models import classifier, eval_mode, split
 
 State = dict[str, torch.Tensor]
 

@@ -9,6 +9,9 @@ layer: the model's ``get_classifier()`` (timm's convention, implemented by fedlt
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -53,3 +56,17 @@ def classifier(model: nn.Module) -> nn.Linear:
             "(e.g. fedgrab's DPA) need models to expose their final linear layer through it"
         )
     return get_classifier()
+
+
+@contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Run modules in eval mode (BatchNorm uses, and does not update, its running statistics),
+    then restore each one's mode."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)

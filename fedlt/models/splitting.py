@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
 
 
@@ -409,7 +409,7 @@ class _FxPlan:
         except Exception as exc:  # tracing fails on data-dependent control flow etc.
             raise FedltError(
                 f"{type(model).__name__} cannot be split: no splitter for its family and torch.fx cannot "
-                f"trace it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                f"trace it ({_reason(exc)})"
             ) from None
         finally:
             _forget_proxies(model, saved)
@@ -561,8 +561,7 @@ def _model_name(model: nn.Module) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
 
 
 def _has(module: nn.Module, qualname: str) -> bool:

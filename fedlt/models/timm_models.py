@@ -6,7 +6,7 @@ import difflib
 
 from torch import nn
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 
 
 def create_timm(name: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
@@ -31,5 +31,4 @@ def create_timm(name: str, *, in_chans: int, num_classes: int, image_size: int) 
         return timm.create_model(name, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
         size = f" with {in_chans}x{image_size}x{image_size} inputs" if "img_size" in kwargs else ""
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise FedltError(f"timm model {name!r} cannot be built{size}: {reason}") from None
+        raise FedltError(f"timm model {name!r} cannot be built{size}: {first_line(exc)}") from None

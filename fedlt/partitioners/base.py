@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 
 FORMAT = "fedlt-partition-1"
 _FILE_KEYS = {"manifest", "indices", "offsets"}
@@ -215,8 +215,7 @@ class Partition:
         except FedltError:
             raise
         except Exception as exc:  # truncated zip, bad CRC, pickled data, not a numpy file, ...
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise bad(reason[:200]) from None
+            raise bad(first_line(exc)[:200]) from None
 
         raw, indices, offsets = arrays["manifest"], arrays["indices"], arrays["offsets"]
         if raw.dtype != np.uint8 or raw.ndim != 1:
