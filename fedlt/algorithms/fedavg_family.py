@@ -21,7 +21,7 @@ from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorName, ClientData, LocalSchedule, LossExpression, RunContext,
                                    client_generator, objective_seed, objective_value, proportional_batches)
 from fedlt.errors import FedltError
-from fedlt.models import classifier
+from fedlt.models import classifier, eval_mode
 
 State = dict[str, torch.Tensor]
 
@@ -52,8 +52,8 @@ def local_update(model: nn.Module, global_state: State, data: ClientData, client
     """Train ``model`` (a work buffer: its weights are overwritten with ``global_state``) on one client.
 
     Returns the trained weights, the client's new persistent state (its loss terms' state, e.g.
-    SGB's collector and PID) and metrics. ``teacher()`` gives a module to load the global weights
-    into, called only when the objective needs the global model's logits (FedVLS).
+    SGB's collector and PID) and metrics. ``teacher()`` gives a module holding ``global_state``
+    (run in eval mode), called only when the objective needs the global model's logits (FedVLS).
     """
     model.load_state_dict(global_state)
     model.train()
@@ -62,15 +62,13 @@ def local_update(model: nn.Module, global_state: State, data: ClientData, client
         if teacher is None:
             raise ValueError(f"the objective {objective_expr!r} needs a teacher module")
         teacher_model = teacher()
-        teacher_model.load_state_dict(global_state)
-        teacher_model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = schedule.optimiser(params)
     total, steps = 0.0, 0
     for idx in schedule.batches(len(data), generator):
         x, y = data.x[idx], data.y[idx]
         loss = objective_value(objective, model(x), y, f"local step {steps + 1}, client {data.cid}, loss "
-                               f"{objective_expr!r}", teacher=lambda: teacher_model(x), params=params)
+                               f"{objective_expr!r}", teacher=lambda: _eval(teacher_model, x), params=params)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         schedule.clip_(params)
@@ -80,6 +78,11 @@ def local_update(model: nn.Module, global_state: State, data: ClientData, client
     new_state = {"loss": objective.state_dict()} if objective.state_dict() else {}
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return weights, new_state, {"train_loss": total / max(steps, 1), "steps": steps}
+
+
+def _eval(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with eval_mode(module):
+        return module(x)
 
 
 class FedAvgFamily(BaseModel):
@@ -92,19 +95,12 @@ class FedAvgFamily(BaseModel):
     _ctx: RunContext = PrivateAttr()
     _model: nn.Module = PrivateAttr()  # the global model
     _work: nn.Module = PrivateAttr()  # scratch copy trained by each client in turn
-    _teacher: nn.Module | None = PrivateAttr(None)
     _client_states: dict[int, dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     def setup(self, ctx: RunContext) -> None:
         self._ctx = ctx
         self._model = ctx.build_model().to(ctx.device)
         self._work = ctx.build_model().to(ctx.device)
-        self._teacher = None
-
-    def _teacher_module(self) -> nn.Module:
-        if self._teacher is None:
-            self._teacher = self._ctx.build_model().to(self._ctx.device)
-        return self._teacher
 
     def train_round(self, round_index: int, clients: list[ClientData]) -> dict[str, float]:
         ctx = self._ctx
@@ -115,7 +111,7 @@ class FedAvgFamily(BaseModel):
             weights, state, metrics = local_update(
                 self._work, global_state, data, self._client_states.get(data.cid, {}), self.loss,
                 ctx.schedule(batch), client_generator(ctx.sampling_seed, round_index, data.cid), ctx.num_classes,
-                teacher=self._teacher_module,
+                teacher=lambda: self._model,  # holds global_state until aggregation
                 seed=objective_seed(ctx.sampling_seed, data.cid),
             )
             if state:
