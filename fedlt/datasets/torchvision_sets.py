@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -11,29 +12,43 @@ from fedlt.datasets import register
 from fedlt.datasets.base import InMemoryDataset, normalise
 from fedlt.errors import FedltError
 
-# What torchvision expects under root, for the error message when it is missing.
-EXPECTED_FILES = {
-    "cifar10": "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta; from cifar-10-python.tar.gz)",
-    "cifar100": "cifar-100-python/ (train, test, meta; from cifar-100-python.tar.gz)",
-    "fashion_mnist": "FashionMNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
-    "svhn": "train_32x32.mat and test_32x32.mat (needs scipy)",
-}
-STATS = {
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "fashion_mnist": ((0.2860,), (0.3530,)),
-    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+
+class _Spec(NamedTuple):
+    cls: str  # in torchvision.datasets
+    labels: str  # the attribute holding the labels
+    num_classes: int
+    train: dict[str, Any]  # keyword arguments selecting the split
+    test: dict[str, Any]
+    files: str  # what torchvision expects under root, for the error message when it is missing
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+SETS = {
+    "cifar10": _Spec("CIFAR10", "targets", 10, {"train": True}, {"train": False},
+                     "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta; from cifar-10-python.tar.gz)",
+                     (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": _Spec("CIFAR100", "targets", 100, {"train": True}, {"train": False},
+                      "cifar-100-python/ (train, test, meta; from cifar-100-python.tar.gz)",
+                      (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "fashion_mnist": _Spec("FashionMNIST", "targets", 10, {"train": True}, {"train": False},
+                           "FashionMNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                           "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
+                           (0.2860,), (0.3530,)),
+    "svhn": _Spec("SVHN", "labels", 10, {"split": "train"}, {"split": "test"},
+                  "train_32x32.mat and test_32x32.mat (needs scipy)",
+                  (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
 }
 
 
 def _open(name: str, factory, root: str | Path | None, download: bool, **kwargs):
     if root is None:
-        raise FedltError(f"dataset {name} needs --data-root (a folder holding {EXPECTED_FILES[name]})")
+        raise FedltError(f"dataset {name} needs --data-root (a folder holding {SETS[name].files})")
     try:
         return factory(root=str(root), download=download, **kwargs)
     except (RuntimeError, FileNotFoundError, OSError) as exc:
         raise FedltError(
-            f"dataset {name} not found under {Path(root).resolve()}: put {EXPECTED_FILES[name]} there, "
+            f"dataset {name} not found under {Path(root).resolve()}: put {SETS[name].files} there, "
             f"or pass --download to fetch it ({exc})"
         ) from None
 
@@ -46,45 +61,31 @@ def _images(data) -> torch.Tensor:
     return x.permute(0, 3, 1, 2).contiguous() if x.shape[-1] in (1, 3) else x
 
 
-def _make(name: str, train, test, labels_attr: str, num_classes: int) -> InMemoryDataset:
-    mean, std = STATS[name]
+def _make(name: str, train, test) -> InMemoryDataset:
+    spec = SETS[name]
     return InMemoryDataset(
         name,
-        normalise(_images(train.data), mean, std),
-        torch.as_tensor(np.asarray(getattr(train, labels_attr)), dtype=torch.int64),
-        normalise(_images(test.data), mean, std),
-        torch.as_tensor(np.asarray(getattr(test, labels_attr)), dtype=torch.int64),
-        num_classes,
+        normalise(_images(train.data), spec.mean, spec.std),
+        torch.as_tensor(np.asarray(getattr(train, spec.labels)), dtype=torch.int64),
+        normalise(_images(test.data), spec.mean, spec.std),
+        torch.as_tensor(np.asarray(getattr(test, spec.labels)), dtype=torch.int64),
+        spec.num_classes,
     )
 
 
-@register("cifar10")
-def cifar10(root: str | Path | None = None, download: bool = False) -> InMemoryDataset:
-    from torchvision.datasets import CIFAR10
+# The registered loader of ``name``; no docstring, so `fedlt list` describes these as before.
+def _loader(name: str):
+    def load(root: str | Path | None = None, download: bool = False) -> InMemoryDataset:
+        import torchvision.datasets
 
-    return _make("cifar10", _open("cifar10", CIFAR10, root, download, train=True),
-                 _open("cifar10", CIFAR10, root, download, train=False), "targets", 10)
+        spec = SETS[name]
+        factory = getattr(torchvision.datasets, spec.cls)
+        return _make(name, _open(name, factory, root, download, **spec.train),
+                     _open(name, factory, root, download, **spec.test))
 
-
-@register("cifar100")
-def cifar100(root: str | Path | None = None, download: bool = False) -> InMemoryDataset:
-    from torchvision.datasets import CIFAR100
-
-    return _make("cifar100", _open("cifar100", CIFAR100, root, download, train=True),
-                 _open("cifar100", CIFAR100, root, download, train=False), "targets", 100)
+    load.__name__ = load.__qualname__ = name
+    return load
 
 
-@register("fashion_mnist")
-def fashion_mnist(root: str | Path | None = None, download: bool = False) -> InMemoryDataset:
-    from torchvision.datasets import FashionMNIST
-
-    return _make("fashion_mnist", _open("fashion_mnist", FashionMNIST, root, download, train=True),
-                 _open("fashion_mnist", FashionMNIST, root, download, train=False), "targets", 10)
-
-
-@register("svhn")
-def svhn(root: str | Path | None = None, download: bool = False) -> InMemoryDataset:
-    from torchvision.datasets import SVHN
-
-    return _make("svhn", _open("svhn", SVHN, root, download, split="train"),
-                 _open("svhn", SVHN, root, download, split="test"), "labels", 10)
+for _name in SETS:
+    register(_name)(_loader(_name))
