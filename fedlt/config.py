@@ -27,15 +27,9 @@ class Strict(BaseModel):
 
 def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Validate ``{"name": ..., **params}`` by creating the component (cheap, no data touched)."""
-    if "name" not in spec:
-        raise ValueError(f"{what} needs a 'name' (valid: {', '.join(registry.list())})")
-    params = {k: v for k, v in spec.items() if k != "name"}
-    try:
-        registry.create(spec["name"], **params)
-    except ValidationError as exc:
-        raise ValueError(f"{spec['name']}: {describe(exc)}") from None
-    except (FedltError, TypeError) as exc:
-        raise ValueError(_one_line(str(exc))) from None
+    from fedlt.registry import create_from_spec
+
+    create_from_spec(registry, spec, what, tidy=_one_line)
     return spec
 
 

@@ -18,7 +18,9 @@ from contextlib import contextmanager
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
 
-from fedlt.errors import FedltError, UnknownNameError
+from pydantic import ValidationError
+
+from fedlt.errors import FedltError, UnknownNameError, describe
 
 T = TypeVar("T")
 
@@ -121,3 +123,19 @@ class Registry(Generic[T]):
                 continue
             self._plugin_names.add(ep.name)
             self._entries[ep.name] = obj
+
+
+def create_from_spec(registry: Registry[Any], spec: dict[str, Any], what: str,
+                     tidy: Callable[[str], str] | None = None) -> Any:
+    """The component a ``{"name": ..., **params}`` spec describes, for pydantic validators: every
+    failure is a ValueError, invalid parameters as ``name: field: message``. ``what`` names the spec
+    when it has no name; ``tidy`` rewrites the message of a FedltError or TypeError."""
+    if "name" not in spec:
+        raise ValueError(f"{what} needs a 'name' (valid: {', '.join(registry.list())})")
+    params = {k: v for k, v in spec.items() if k != "name"}
+    try:
+        return registry.create(spec["name"], **params)
+    except ValidationError as exc:
+        raise ValueError(f"{spec['name']}: {describe(exc)}") from None
+    except (FedltError, TypeError) as exc:
+        raise ValueError(str(exc) if tidy is None else tidy(str(exc))) from None

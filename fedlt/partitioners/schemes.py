@@ -12,11 +12,12 @@ import math
 from typing import Any
 
 import numpy as np
-from pydantic import Field, ValidationError, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator
 
-from fedlt.errors import FedltError, describe
+from fedlt.errors import FedltError
 from fedlt.partitioners import register
 from fedlt.partitioners.base import Partitioner
+from fedlt.registry import create_from_spec
 
 # A draw costs O(C·K); 100 bounds a hopeless dirichlet setting to well under a second on MNIST
 # while feasible settings succeed within a handful of draws.
@@ -207,13 +208,7 @@ class LongTail(Partitioner):
             raise ValueError("must name a partitioner and its parameters, e.g. {'name': 'dirichlet', 'beta': 0.5}")
         from fedlt.partitioners import REGISTRY
 
-        params = {k: v for k, v in spec.items() if k != "name"}
-        try:
-            inner = REGISTRY.create(spec["name"], **params)
-        except ValidationError as exc:
-            raise ValueError(f"{spec['name']}: {describe(exc)}") from None
-        except (FedltError, TypeError) as exc:
-            raise ValueError(str(exc)) from None
+        inner = create_from_spec(REGISTRY, spec, "then")
         if not isinstance(inner, Partitioner):
             raise ValueError(f"{spec['name']!r} is not a Partitioner model and cannot follow longtail")
         return inner
