@@ -12,10 +12,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
-from fedlt.errors import FedltError, describe
+from fedlt.errors import FedltError
+from fedlt.registry import create_from_spec
 
 # The partition a run uses when none is given (also what `fedlt partition` shows without flags).
 DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
@@ -27,15 +27,8 @@ class Strict(BaseModel):
 
 def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Validate ``{"name": ..., **params}`` by creating the component (cheap, no data touched)."""
-    from fedlt.registry import create_from_spec
-
-    create_from_spec(registry, spec, what, tidy=_one_line)
+    create_from_spec(registry, spec, what)
     return spec
-
-
-def _one_line(message: str) -> str:
-    """The CLI promises one line per error, whatever a component put in its message."""
-    return " ".join(message.split())
 
 
 class Seeds(Strict):

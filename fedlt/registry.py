@@ -125,11 +125,11 @@ class Registry(Generic[T]):
             self._entries[ep.name] = obj
 
 
-def create_from_spec(registry: Registry[Any], spec: dict[str, Any], what: str,
-                     tidy: Callable[[str], str] | None = None) -> Any:
+def create_from_spec(registry: Registry[Any], spec: dict[str, Any], what: str) -> Any:
     """The component a ``{"name": ..., **params}`` spec describes, for pydantic validators: every
-    failure is a ValueError, invalid parameters as ``name: field: message``. ``what`` names the spec
-    when it has no name; ``tidy`` rewrites the message of a FedltError or TypeError."""
+    failure is a one-line ValueError (the CLI promises one line per error, whatever a component
+    put in its message), invalid parameters as ``name: field: message``. ``what`` names the spec
+    when it has no name."""
     if "name" not in spec:
         raise ValueError(f"{what} needs a 'name' (valid: {', '.join(registry.list())})")
     params = {k: v for k, v in spec.items() if k != "name"}
@@ -138,4 +138,4 @@ def create_from_spec(registry: Registry[Any], spec: dict[str, Any], what: str,
     except ValidationError as exc:
         raise ValueError(f"{spec['name']}: {describe(exc)}") from None
     except (FedltError, TypeError) as exc:
-        raise ValueError(str(exc) if tidy is None else tidy(str(exc))) from None
+        raise ValueError(" ".join(str(exc).split())) from None
