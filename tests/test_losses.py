@@ -175,24 +175,15 @@ def test_term_matches_float64_loop_reference(case, problem):
 
 
 # -- properties ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("term", [L.LogitAdjust, L.FedLC])
 @SETTINGS
 @given(problem=problems(counts_kind="equal"), tau=st.floats(0.0, 3.0))
-def test_logit_adjust_with_uniform_counts_is_ce(problem, tau):
+def test_logit_adjust_and_fedlc_with_equal_counts_are_ce(term, problem, tau):
     logits, _, y, n = problem
     ce = value_and_grad(L.CE(), logits, y)
-    la = value_and_grad(L.LogitAdjust(class_counts=n, tau=tau), logits, y)
-    close(la[0], ce[0], 1e-10)
-    close(la[1], ce[1], 1e-10)
-
-
-@SETTINGS
-@given(problem=problems(counts_kind="equal"), tau=st.floats(0.0, 3.0))
-def test_fedlc_with_equal_counts_is_ce(problem, tau):
-    logits, _, y, n = problem
-    ce = value_and_grad(L.CE(), logits, y)
-    lc = value_and_grad(L.FedLC(class_counts=n, tau=tau), logits, y)
-    close(lc[0], ce[0], 1e-10)
-    close(lc[1], ce[1], 1e-10)
+    got = value_and_grad(term(class_counts=n, tau=tau), logits, y)
+    close(got[0], ce[0], 1e-10)
+    close(got[1], ce[1], 1e-10)
 
 
 SHIFT_INVARIANT = {
