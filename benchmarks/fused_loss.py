@@ -135,10 +135,11 @@ def best_times(steps: dict, reps: int) -> dict[str, float]:
     for step in steps.values():  # warm-up (allocations, first-call caches)
         step()
     best = {v: float("inf") for v in steps}
-    for _ in range(reps):
-        for v, step in steps.items():
+    order = list(steps)
+    for rep in range(reps):
+        for v in order[rep % len(order):] + order[:rep % len(order)]:  # rotated: no variant always runs first
             t0 = time.perf_counter()
-            step()
+            steps[v]()
             best[v] = min(best[v], time.perf_counter() - t0)
     return best
 
@@ -187,7 +188,7 @@ def main() -> None:
             ref, fused, auto = best["reference"], best["fused"], best["auto"]
             rows.append([objective, B, C, ref * 1e3, fused * 1e3, auto * 1e3, ref / fused, ref / auto,
                          nbytes / 1e6, nbytes / fused / 1e9, nbytes / ref / 1e9])
-    meta = {"threads": args.threads, "reps": args.reps, "timing": "best of reps, variants interleaved",
+    meta = {"threads": args.threads, "reps": args.reps, "timing": "best of reps, variants interleaved in rotating order",
             "cpu_auto_min_elements": dict(CPU_AUTO_RULES), "torch": torch.__version__}
     if args.compile:
         meta["torch_compile_fedvls_4096x1000"] = compiled_fedvls(args.reps)

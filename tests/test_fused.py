@@ -97,6 +97,42 @@ def test_fused_composites_match_the_reference(problem, expr):
     assert_agree(grad, grad_ref, 2 * weights / len(targets), f"{expr} gradient")
 
 
+@SETTINGS
+@given(problems(), st.sampled_from(EXPRESSIONS), st.integers(1, 5))
+def test_row_blocks_give_the_reference_result(problem, expr, rows_per_block):
+    """The shared-softmax terms run over row blocks (``cpu.BLOCK_ELEMENTS``). Blocks of 1 to 5 rows
+    exercise what one block never does: the suppression's column sums rescaled as the running
+    maximum of the row log-sum-exps rises, the KD's exact rows in later blocks (global row
+    indices), the teacher's part kept for pass 2."""
+    logits, teacher, targets, counts = problem
+    fused = L.build(expr, class_counts=counts, fused="on")
+    with mock.patch.object(cpu, "BLOCK_ELEMENTS", rows_per_block * logits.shape[1]):
+        value, grad = value_and_grad(fused, logits, targets, teacher)
+    value_ref, grad_ref = value_and_grad(L.build(expr, class_counts=counts, fused="off"), logits, targets, teacher)
+    weights = sum(abs(w) * getattr(t, "T", 1.0) for w, t in fused.flat_terms())
+    assert_agree(value, value_ref, float(logits.abs().max()) * (1 + weights), f"{expr} value")
+    assert_agree(grad, grad_ref, 2 * weights / len(targets), f"{expr} gradient")
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 2, 8])
+def test_vacant_rows_beyond_float_range_are_exact_in_every_block(rows_per_block):
+    """Rows 2 and 5 put their vacant classes 200 below their largest logit: their vacant softmax
+    mass underflows the shared softmax and their KD part is recomputed exactly, wherever their
+    block starts."""
+    C = 6
+    logits = torch.randn(7, C, generator=torch.Generator().manual_seed(1))
+    logits[[2, 5], 0] = 200.0
+    targets = torch.tensor([0, 1, 0, 2, 5, 1, 0])
+    counts = torch.tensor([3.0, 2, 1, 0, 0, 5])  # classes 3 and 4 are vacant
+    teacher = torch.randn(7, C, generator=torch.Generator().manual_seed(2))
+    for expr in ["fedvls", "ce + vacant_kd", "logit_adjust + 2*vacant_kd"]:
+        with mock.patch.object(cpu, "BLOCK_ELEMENTS", rows_per_block * C):
+            value, grad = value_and_grad(L.build(expr, class_counts=counts, fused="on"), logits, targets, teacher)
+        value_ref, grad_ref = value_and_grad(L.build(expr, class_counts=counts, fused="off"), logits, targets, teacher)
+        assert_agree(value, value_ref, 200.0, expr)
+        assert_agree(grad, grad_ref, 1e-3, expr)
+
+
 @settings(deadline=None, max_examples=25)
 @given(problems(max_classes=12), st.sampled_from(["fedvls", "logit_adjust", "logit_suppression(variant='paper')"]))
 def test_bfloat16_inputs_accumulate_in_float32(problem, expr):

@@ -37,17 +37,19 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _row_lse(a: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp of ``a`` from its softmax ``P``: lse = a_max − log P_max (P_max ≥ 1/C, so
-    the logarithm is exact to rounding; no second exponential pass)."""
-    mx, idx = a.max(1)
-    return mx - torch.log(P.gather(1, idx.unsqueeze(1)).squeeze(1))
+    """Row log-sum-exp of ``a`` from its softmax ``P``: lse = max a − log max P (the softmax is
+    monotone, so both maxima sit in the same column; max P ≥ 1/C keeps the logarithm exact to
+    rounding). No second exponential pass, and two value-only reductions (``amax`` is ~10× faster
+    than a ``max`` that also returns the indices)."""
+    return a.amax(1) - torch.log(P.amax(1))
 
 
-def _softmax(zf: torch.Tensor, targets: torch.Tensor, offset: torch.Tensor | None):
-    """(P, lse, a_y) for a = z + offset: lse = a_y − log P_y from the target's probability (no
-    extra pass); a row whose P_y underflows takes an exact log-sum-exp instead."""
+def _softmax(zf: torch.Tensor, targets: torch.Tensor, offset: torch.Tensor | None, out: torch.Tensor | None = None):
+    """(P, lse, a_y) for a = z + offset, P written into ``out`` if given: lse = a_y − log P_y from
+    the target's probability (no extra pass); a row whose P_y underflows takes an exact
+    log-sum-exp instead."""
     a = zf if offset is None else zf + offset
-    P = torch.softmax(a, 1)
+    P = torch.softmax(a, 1) if out is None else torch.softmax(a, 1, out=out)
     rows = torch.arange(a.shape[0], device=a.device)
     a_y, P_y = a[rows, targets], P[rows, targets]
     lse = a_y - torch.log(P_y)
@@ -87,43 +89,10 @@ def objective(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch
     shared_offset = None if shared_ce is None or shared_ce.offset is None else _vec(shared_ce.offset, zf)
     grad: torch.Tensor | None = None
     if shared_ce is not None or sups:
-        P, lse, a_y = _softmax(zf, targets, shared_offset)
-        ce_w = 0.0 if shared_ce is None else shared_ce.weight
-        if shared_ce is not None:
-            value = value + ce_w * (lse - a_y).double().mean()
-        P_y = P[rows, targets].clone()
-        # the gradient is P ⊙ (ce_w/B + Σ_k U[:, k]·V[k, :]) plus corrections: one BLAS call for
-        # the coefficient, one multiplication by P
-        U, V = [], []
-        exact = None
-        if sups:
-            v, extra_value, exact = _suppression(zf, targets, P, lse, rows, shared_offset, sups)
-            value = value + extra_value
-            U.append(torch.exp(lse - lse.max()))
-            V.append(v.to(zf.dtype))
         kd = next((k for k in kds if _shares_softmax(k, shared_offset)), None)
-        if kd is not None:
-            kds = [k for k in kds if k is not kd]
-            kd_value, a, mask, q, fix = _vacant_kd_shared(zf, teacher_logits, P, lse, shared_offset, kd)
-            value = value + kd_value
-            U.append(a)
-            V.append(mask)
-        if U:
-            grad = torch.addmm(torch.full((1, 1), ce_w / B, dtype=zf.dtype, device=zf.device),
-                               torch.stack(U, 1), torch.stack(V, 0))
-            # on the targets the suppression's gradient is 0: P_y·(ce_w/B + the KD part) − ce_w/B
-            on_target = ce_w / B + (0.0 if kd is None else a * mask[targets])
-            grad.mul_(P)
-        else:
-            grad = P.mul_(ce_w / B)
-            on_target = ce_w / B
-        grad[rows, targets] = P_y * on_target - ce_w / B
-        if exact is not None:
-            grad.index_add_(1, exact[0], exact[1])
-        if kd is not None:
-            grad.add_(q, alpha=-kd.weight / B)
-            if fix is not None:
-                grad.index_put_(fix[0], fix[1], accumulate=True)
+        kds = [k for k in kds if k is not kd]
+        shared_value, grad = _shared_softmax_terms(zf, targets, teacher_logits, shared_ce, sups, kd, shared_offset)
+        value = value + shared_value
     for part in rest:
         P, lse, a_y = _softmax(zf, targets, None if part.offset is None else _vec(part.offset, zf))
         value = value + part.weight * (lse - a_y).double().mean()
@@ -139,25 +108,116 @@ def objective(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch
     return value.to(zf.dtype), grad, 1.0
 
 
-def _suppression(zf, targets, P, lse, rows, offset, sups):
-    """The suppression parts on the shared softmax P of a = z + offset.
+# Logits per row block of the shared-softmax terms: a block's few B×C-shaped temporaries (2 MiB
+# each in float32) stay in the last-level cache, so each pass reads the logits from memory once
+# rather than once per operation, while the per-operation overhead is paid only B·C / 2^19 times.
+# Measured best of 2^14..2^24 in benchmarks/fused_loss.py's fedvls cases (docs/fused.md).
+BLOCK_ELEMENTS = 1 << 19
+
+
+def _shared_softmax_terms(zf, targets, teacher_logits, ce: OffsetCE | None, sups: list[Suppression],
+                          kd: VacantKD | None, offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, gradient) of the terms that read the shared softmax P of a = z + offset: the CE
+    ``ce`` (or None), the suppression parts ``sups`` and the vacant KD ``kd`` (or None).
+
+    The gradient is G = P ⊙ (ce_w/B + u vᵀ + a maskᵀ) with the target entries and the KD's
+    teacher part put right (see :func:`_suppression_finish` and :class:`_SharedKD`). Rows are
+    processed in blocks. Pass 1 computes each block's softmax and the per-row quantities, adds the
+    block to the suppression's column sums and leaves P in the gradient buffer; the column sums
+    need every row, so pass 2 turns P into G in place. Without suppression pass 1 finishes each block.
+    """
+    B, C = zf.shape
+    step = max(1, BLOCK_ELEMENTS // C)
+    ce_w = 0.0 if ce is None else ce.weight
+    grad = torch.empty_like(zf)
+    lse, P_y = zf.new_empty(B), zf.new_empty(B)
+    value = zf.new_zeros((), dtype=torch.float64)
+    columns = _ColumnSums(C, zf.device) if sups else None
+    shared_kd = None if kd is None else _SharedKD(kd, teacher_logits, offset, zf, keep_q=bool(sups))
+    blocks = [slice(i, min(i + step, B)) for i in range(0, B, step)]
+    for sl in blocks:
+        y = targets[sl]
+        r = torch.arange(len(y), device=zf.device)
+        # with suppression P stays in the gradient buffer until pass 2; else it is a block temporary
+        P, lse[sl], a_y = _softmax(zf[sl], y, offset, grad[sl] if columns is not None else None)
+        P_y[sl] = P[r, y]
+        if ce is not None:
+            value = value + (ce_w / B) * (lse[sl] - a_y).double().sum()
+        q = None if shared_kd is None else shared_kd.add(sl, P, lse[sl], zf[sl])
+        if columns is not None:
+            columns.add(P, lse[sl], r, y, P_y[sl])
+        else:
+            _to_gradient(grad[sl], P, r, y, P_y[sl], ce_w / B, shared_kd, sl, None, None, q)
+    exact = None
+    if columns is not None:
+        v, sup_value, exact = _suppression_finish(zf, targets, columns, offset, sups)
+        value = value + sup_value
+        for sl in blocks:
+            y = targets[sl]
+            G = grad[sl]
+            _to_gradient(G, G, torch.arange(len(y), device=zf.device), y, P_y[sl], ce_w / B, shared_kd, sl,
+                         torch.exp(lse[sl] - columns.R), v.to(zf.dtype), None if shared_kd is None else shared_kd.q[sl])
+    if exact is not None:
+        grad.index_add_(1, exact[0], exact[1])
+    if shared_kd is not None:
+        value = value + shared_kd.value
+        shared_kd.apply_fixes(grad)
+    return value, grad
+
+
+def _to_gradient(out, P, r, y, P_y, base, kd, sl, u, v, q) -> None:
+    """out = P ⊙ (base + u vᵀ + a maskᵀ) (``out`` may be ``P`` itself), target entries
+    P_y·(base + a_i·mask_{y_i}) − base (the suppression's gradient is 0 there), minus the KD's (w/B)·q."""
+    U = [] if u is None else [u]
+    V = [] if v is None else [v]
+    if kd is not None:
+        U.append(kd.a[sl])
+        V.append(kd.mask)
+    if U:
+        coef = torch.addmm(torch.full((1, 1), base, dtype=P.dtype, device=P.device), torch.stack(U, 1),
+                           torch.stack(V, 0))
+        torch.mul(P, coef, out=out)
+    else:
+        torch.mul(P, base, out=out)
+    on_target = base if kd is None else base + kd.a[sl] * kd.mask[y]
+    out[r, y] = P_y * on_target - base
+    if kd is not None:
+        out.scatter_add_(1, kd.O.unsqueeze(0).expand(len(q), -1), q)  # q is −(w/B)·q here
+
+
+class _ColumnSums:
+    """The suppression's masked column sums S_c = Σ_{i: y_i ≠ c} e^{a_ic − R} over row blocks, with
+    R = max_i lse_i kept as a running maximum (earlier blocks rescaled in float64 when it rises):
+    per block one matrix-vector product Pᵀu, u_i = e^{lse_i − R}, on the block's softmax."""
+
+    def __init__(self, C: int, device: torch.device) -> None:
+        self.S = torch.zeros(C, dtype=torch.float64, device=device)
+        self.R = float("-inf")
+
+    def add(self, P, lse, r, y, P_y) -> None:
+        R = max(self.R, float(lse.max()))
+        if R > self.R and self.R != float("-inf"):
+            self.S.mul_(math.exp(self.R - R))
+        self.R = R
+        P[r, y] = 0.0
+        self.S += (P.t() @ torch.exp(lse - R)).double()
+        P[r, y] = P_y
+
+
+def _suppression_finish(zf, targets, columns: _ColumnSums, offset, sups):
+    """The suppression parts from the column sums of the shared softmax of a = z + offset.
 
     Returns v (length C, float64: the suppression gradient is P_ic·u_i·v_c off the targets), the
     value, and the exactly recomputed columns (indices, B×|J| gradient) or None.
     """
     B, C = zf.shape
-    R = lse.max()
-    u = torch.exp(lse - R)
-    P_y = P[rows, targets].clone()
-    P[rows, targets] = 0.0
-    S = (P.t() @ u).double()  # Σ_{i: y_i ≠ c} e^{z_ic + o_c − R}
-    P[rows, targets] = P_y
+    S, R = columns.S, columns.R
     o = torch.zeros(C, dtype=torch.float64, device=zf.device) if offset is None else offset.double()
     n = torch.bincount(targets, minlength=C).double()
     others = n < B
     tiny = torch.finfo(zf.dtype).tiny * 1e8  # below this the float sum has lost its leading digits
     risky = others & (S < tiny)
-    logS = torch.where(S > 0, S, torch.ones_like(S)).log() + float(R) - o
+    logS = torch.where(S > 0, S, torch.ones_like(S)).log() + R - o
     v = torch.zeros(C, dtype=torch.float64, device=zf.device)
     value = torch.zeros((), dtype=torch.float64, device=zf.device)
     exact_cols, exact_grads = [], []
@@ -175,7 +235,7 @@ def _suppression(zf, targets, P, lse, rows, offset, sups):
         s = torch.where(ok, lse_c - math.log(B), torch.zeros_like(lse_c))
         value = value + part.weight * part.scale * (p * s).sum()
         # off-target gradient scale·p_c·e^{A_ic − lse_c} = P_ic·u_i·e^{R + shift_c − o_c − lse_c}·scale·p_c
-        expo = torch.where(ok, float(R) + shift - o - lse_c, torch.full_like(lse_c, float("-inf")))
+        expo = torch.where(ok, R + shift - o - lse_c, torch.full_like(lse_c, float("-inf")))
         v = v + part.weight * part.scale * p * torch.exp(expo)
         if bool(risky.any()):
             J = risky.nonzero().flatten()
@@ -212,40 +272,54 @@ def _shares_softmax(part: VacantKD, offset: torch.Tensor | None) -> bool:
     return bool(torch.isfinite(o).all()) and bool(o.max() == o.min())
 
 
-def _vacant_kd_shared(zf, teacher_logits, P, lse, offset, part: VacantKD):
-    """Vacant KD (T = 1) with the student's side taken from the shared softmax P of a = z + offset:
-    S_i = Σ_{c∈O} P_ic (a matrix-vector product), p_ic = P_ic / S_i, lse_z = log S_i + lse_i − o_O.
-    The teacher's softmax runs masked over the full width (no column gather).
+class _SharedKD:
+    """Vacant KD (T = 1) with the student's side read off the shared softmax P of a = z + offset,
+    block by block: S_i = Σ_{c∈O} P_ic (a matrix-vector product), p_ic = P_ic / S_i and
+    lse_z = log S_i + lse_i − o_O; the teacher's softmax q runs over the vacant columns only. Per row
+    KL(q‖p) = Σ_{c∈O} q_c(t_c − z_c) − lse_t + lse_z (two dot products, no per-element logarithm).
+    The gradient is P ⊙ a maskᵀ − (w/B)·q on O with a_i = w/(B·S_i); a row whose S_i underflows
+    (its vacant logits ~1e2 below its largest) gets its student part exactly (``apply_fixes``)."""
 
-    Returns the value, the row coefficient a_i = w/(B·S_i) and the column mask (the P-part of the
-    gradient is P ⊙ a maskᵀ), the teacher's softmax q (B×C, 0 off O; gradient −w/B·q) and the exact
-    correction for rows whose S_i underflowed (index, values) or None.
-    """
-    if teacher_logits is None:
-        raise ValueError("vacant_kd needs teacher_logits")
-    B, C = zf.shape
-    O = part.vacant.get(zf.device, torch.long)
-    mask = torch.zeros(C, dtype=zf.dtype, device=zf.device)
-    mask[O] = 1.0
-    o_vacant = 0.0 if offset is None else float(offset[O[0]])
-    S = P @ mask
-    ok = S >= torch.finfo(zf.dtype).tiny * 1e8
-    lse_z = torch.log(torch.where(ok, S, torch.ones_like(S))) + lse - o_vacant
-    t = teacher_logits.detach().to(zf.dtype)
-    t_vacant = t.masked_fill(mask == 0, float("-inf"))
-    q = torch.softmax(t_vacant, 1)
-    lse_t = _row_lse(t_vacant, q)
-    del t_vacant
-    cross = torch.dot(q.flatten(), t.flatten()).double() - torch.dot(q.flatten(), zf.flatten()).double()
-    w = part.weight / B
-    a = torch.where(ok, w / torch.where(ok, S, torch.ones_like(S)), torch.zeros_like(S))
-    fix = None
-    if not bool(ok.all()):  # rows whose vacant logits lie ~1e2 below their largest: exact
-        bad = (~ok).nonzero().flatten()
-        zO = zf[bad][:, O]
-        lse_z[bad] = torch.logsumexp(zO, 1)
-        fix = ((bad.unsqueeze(1), O.unsqueeze(0)), torch.softmax(zO, 1) * w)
-    return part.weight * (cross - (lse_t - lse_z).double().sum()) / B, a, mask, q, fix
+    def __init__(self, part: VacantKD, teacher_logits, offset, zf, keep_q: bool) -> None:
+        if teacher_logits is None:
+            raise ValueError("vacant_kd needs teacher_logits")
+        B, C = zf.shape
+        self.weight, self.B = part.weight, B
+        self.w = part.weight / B
+        self.O = part.vacant.get(zf.device, torch.long)
+        self.mask = torch.zeros(C, dtype=zf.dtype, device=zf.device)
+        self.mask[self.O] = 1.0
+        self.o_vacant = 0.0 if offset is None else float(offset[self.O[0]])
+        self.teacher = teacher_logits.detach()
+        self.a = zf.new_empty(B)
+        self.q = zf.new_empty(B, len(self.O)) if keep_q else None  # pass 2 needs it
+        self.value = zf.new_zeros((), dtype=torch.float64)
+        self.fixes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, sl: slice, P: torch.Tensor, lse: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Adds the rows ``sl`` (their shared softmax P, lse and logits z); returns their −(w/B)·q,
+        the teacher's part of the gradient on the vacant columns (kept for pass 2 if asked)."""
+        S = P @ self.mask
+        ok = S >= torch.finfo(z.dtype).tiny * 1e8
+        S = torch.where(ok, S, torch.ones_like(S))
+        lse_z = S.log() + lse - self.o_vacant
+        tO = self.teacher[sl].index_select(1, self.O).to(z.dtype)
+        q = torch.softmax(tO, 1)
+        lse_t = _row_lse(tO, q)
+        zO = z.index_select(1, self.O)
+        cross = torch.dot(q.flatten(), tO.flatten()).double() - torch.dot(q.flatten(), zO.flatten()).double()
+        self.a[sl] = torch.where(ok, self.w / S, torch.zeros_like(S))
+        if not bool(ok.all()):
+            bad = (~ok).nonzero().flatten()
+            lse_z[bad] = torch.logsumexp(zO[bad], 1)
+            self.fixes.append((bad + sl.start, torch.softmax(zO[bad], 1) * self.w))
+        self.value += self.weight * (cross - (lse_t - lse_z).double().sum()) / self.B
+        q = torch.mul(q, -self.w, out=None if self.q is None else self.q[sl])
+        return q
+
+    def apply_fixes(self, grad: torch.Tensor) -> None:
+        for rows, values in self.fixes:
+            grad.index_put_((rows.unsqueeze(1), self.O.unsqueeze(0)), values, accumulate=True)
 
 
 def _vacant_kd(zf: torch.Tensor, teacher_logits: torch.Tensor, part: VacantKD,

@@ -35,7 +35,7 @@ MODES = ("auto", "on", "off")
 CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "ce": (1000, 300_000),  # ce / logit_adjust / fedlc alone
     "composite": (100, 300_000),  # anything with vacant_kd or logit_suppression (fedvls)
-    "pair": (100, 0),  # SCALA's offset_ce_pair, fewer than 20 clients
+    "pair": (100, 300_000),  # SCALA's offset_ce_pair, fewer than 20 clients
     "pair_many_clients": (2, 0),  # ... 20 clients or more: the reference's per-client ops dominate
     "sgb": (10, 10_000),
 }
@@ -112,7 +112,12 @@ class FusedObjective(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, upstream: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * (upstream.to(grad.dtype) * ctx.scale)).to(ctx.dtype), None, None, None, None
+        factor = upstream.to(grad.dtype) * ctx.scale
+        if grad.dtype == ctx.dtype and not grad.is_cuda and factor.numel() == 1 and float(factor) == 1.0:
+            # loss.backward() on an unweighted composite: the gradient is ready, skip a B×C pass
+            # (reading the factor is free on the CPU; on CUDA it would synchronise)
+            return grad, None, None, None, None
+        return (grad * factor).to(ctx.dtype), None, None, None, None
 
 
 def objective_value(parts: tuple[Part, ...], logits: torch.Tensor, targets: torch.Tensor,
