@@ -19,7 +19,7 @@ def report(name: str, columns: list[str], rows: list[list], meta: dict | None = 
     table = Table(*columns, title=name)
     for row in rows:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
-    Console().print(table)
+    Console(width=max(160, len(columns) * 14)).print(table)  # the whole table, even through a pipe
     RESULTS.mkdir(exist_ok=True)
     payload = {"benchmark": name, "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
                "meta": meta or {}, "columns": columns, "rows": rows}

@@ -152,6 +152,10 @@ class Prepared:
 
 
 def prepare(config: RunConfig, partition: Any = None) -> Prepared:
+    # torch imports torch._dynamo lazily inside the first optimiser's constructor (~1.8 s on a
+    # CPU): a process start-up cost, paid here rather than inside the first round's train_s
+    import torch._dynamo  # noqa: F401
+
     data = load_data(config)
     if partition is None:
         partition = make_partition(config, data)
