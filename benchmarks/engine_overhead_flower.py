@@ -12,8 +12,9 @@ also starts the workers and loads the data in them). Where Flower's time goes:
 - ping        : an empty message to every participant's node and back — Ray scheduling and
                 the in-memory link, no work: the floor of each exchange.
 
-Run: python benchmarks/engine_overhead_flower.py [--rounds 3] [--train-limit N]   (torch 1 thread in this process;
-Ray gives each ClientApp worker one CPU)
+Run: python benchmarks/engine_overhead_flower.py [--rounds 3] [--train-limit N] [--ray-cpus 1]   (torch 1 thread in
+this process; Ray gives each ClientApp worker one CPU, so with every CPU Flower runs clients in parallel
+where the local engine runs them one after another; ``--ray-cpus 1`` compares one core with one core)
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pings", type=int, default=10)
     parser.add_argument("--train-limit", type=int, default=None, help="first N training images (default: all)")
+    parser.add_argument("--ray-cpus", type=int, default=None,
+                        help="CPUs Ray may use (default: all; 1 runs one client at a time, like the local engine)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from flwr.app import Context, Message, RecordDict
@@ -118,7 +121,8 @@ def main() -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     run_simulation(server_app, client_app, num_supernodes=max(c.clients for c in configs.values()),
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"include_dashboard": False, "logging_level": logging.ERROR}})
+                                   "init_args": {"include_dashboard": False, "logging_level": logging.ERROR}
+                                   | ({} if args.ray_cpus is None else {"num_cpus": args.ray_cpus})})
 
     rows = []
     for name, config in configs.items():
@@ -128,11 +132,11 @@ def main() -> None:
         exchange = statistics.median(rounds.exchange_s[per_round:])  # after the first round
         rows.append([name, local_s, flower_s, flower_s / local_s, per_round, exchange, pings[name],
                      serialise_s(config)])
-    common.report("engine_overhead_flower",
+    common.report("engine_overhead_flower" + ("" if args.ray_cpus is None else f"_{args.ray_cpus}cpu"),
                   ["setting", "local round s", "flower round s", "flower/local", "exchanges/round",
                    "exchange s", "ping s", "serialise s/round"], rows,
                   meta={"rounds": args.rounds, "train_limit": args.train_limit, "first round excluded": True, "torch_threads_server": 1,
-                        "ray_cpus_per_client": 1})
+                        "ray_cpus_per_client": 1, "ray_cpus": args.ray_cpus or "all"})
 
 
 def common_rows(run_dir: Path) -> list[dict]:

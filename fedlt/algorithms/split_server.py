@@ -189,7 +189,8 @@ class ServerSide:
         """SCALA's two losses from ONE fused pass over the server logits (docs/fused.md) when both
         sides are single offset cross-entropies and the fused path is chosen for these logits;
         None otherwise (the objectives then run as built)."""
-        if not self.trains_clients or extra or fedlt.losses.fused.backend(self.ctx.fused, logits, "pair") is None:
+        if not self.trains_clients or extra or fedlt.losses.fused.backend(
+                self.ctx.fused, logits, fedlt.losses.fused.pair_family(len(group))) is None:
             return None
         offsets = fedlt.losses.fused.pair_offsets(objective, [self.client_objectives[k][1] for k in group],
                                                   self.ctx.num_classes)
