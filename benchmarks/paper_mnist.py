@@ -4,7 +4,7 @@ Fed-GraB. No weight decay and no clipping (the paper lists neither; the authors'
 forces weight decay 0). Evaluated every round on the 10k MNIST test set, so both the final and the
 best-over-rounds accuracy are reported (the paper reports the best over rounds).
 
-Run: python benchmarks/paper_mnist.py [--rounds 50] [--betas 0.05 0.1 0.5] [--algorithms fedavg fedvls]
+Run: python benchmarks/paper_mnist.py [--rounds 50] [--betas 0.05 0.1 0.5] [--algorithms fedavg fedvls] [--tag _beta0.1]
 
 The same runs against the authors' own code, on the same partition: tools/fedvls_repro/README.md.
 """
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--betas", type=float, nargs="+", default=[0.05])
     parser.add_argument("--algorithms", nargs="+", default=["fedavg", "fedlc", "fedvls", "fedgrab"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (shared machines: 1)")
+    parser.add_argument("--tag", default="", help="results/paper_mnist<tag>.json, so runs split across processes keep theirs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -55,7 +56,7 @@ def main() -> None:
                              round(100 * summary["final"]["client_mean_accuracy"], 2),
                              paper if paper else "-", round(wall, 1)])
                 print(rows[-1], flush=True)
-    common.report("paper_mnist", ["beta", "algorithm", "final acc %", "best acc %", "best round",
+    common.report("paper_mnist" + args.tag, ["beta", "algorithm", "final acc %", "best acc %", "best round",
                                   "final balanced %", "final client-mean %", "paper (best of 50) %", "wall s"],
                   rows, {"rounds": args.rounds, "eval_every": 1, "partition_seed": 0})
 

@@ -57,3 +57,23 @@ def test_cli_fused_flag_reaches_the_config(tmp_path, capsys, one_thread):
         main(["run", "--fused", "maybe", "--out", str(tmp_path / "b"), "--quiet"])
     err = capsys.readouterr().err.strip()
     assert bad.value.code == 2 and "fused" in err and len(err.splitlines()) == 1
+
+
+def test_scala_under_auto_takes_the_eager_pair_and_matches_the_per_client_reference(tmp_path, one_thread):
+    """At MNIST's C = 10 ``auto`` keeps the fused kernels off but SCALA's server still computes
+    both sides' losses in one call (the eager pair, vectorised over the clients); ``off`` runs one
+    objective per client. Same weights within float tolerance."""
+    import fedlt.losses.fused
+
+    weights, pairs, fused = {}, {}, {}
+    for mode in ("auto", "off"):
+        cfg = RunConfig(**SHORT, algorithm="scala", model="alexnet", split="s2", fused=mode, out=tmp_path / mode)
+        with mock.patch.object(fedlt.losses.fused, "offset_ce_pair", wraps=fedlt.losses.fused.offset_ce_pair) as pair, \
+                mock.patch.object(cpu, "offset_ce_pair", wraps=cpu.offset_ce_pair) as kernel:
+            run(cfg)
+        pairs[mode], fused[mode] = pair.call_count, kernel.call_count
+        weights[mode] = final_weights(tmp_path / mode)
+    assert pairs["auto"] == SHORT["rounds"] * SHORT["local_iters"] and pairs["off"] == 0  # one call per server step
+    assert fused["auto"] == fused["off"] == 0
+    for name, w in weights["off"].items():
+        torch.testing.assert_close(weights["auto"][name], w, rtol=1e-4, atol=1e-5, msg=name)

@@ -186,11 +186,11 @@ class ServerSide:
 
     def fused_pair(self, objective, group: list[int], logits: torch.Tensor, labels: torch.Tensor, sizes: list[int],
                    extra: dict[str, Any]):
-        """SCALA's two losses from ONE fused pass over the server logits (docs/fused.md) when both
-        sides are single offset cross-entropies and the fused path is chosen for these logits;
-        None otherwise (the objectives then run as built)."""
-        if not self.trains_clients or extra or fedlt.losses.fused.backend(
-                self.ctx.fused, logits, fedlt.losses.fused.pair_family(len(group))) is None:
+        """SCALA's two losses from ONE call over the server logits (docs/fused.md) when both sides
+        are single offset cross-entropies: the fused pass, or under ``auto`` on small logits the
+        eager pair (a few ops for any number of clients); None with ``fused="off"`` (the
+        objectives then run as built, one per client: the reference) or for other objectives."""
+        if not self.trains_clients or extra or self.ctx.fused == "off":
             return None
         offsets = fedlt.losses.fused.pair_offsets(objective, [self.client_objectives[k][1] for k in group],
                                                   self.ctx.num_classes)

@@ -35,8 +35,7 @@ MODES = ("auto", "on", "off")
 CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "ce": (1000, 300_000),  # ce / logit_adjust / fedlc alone
     "composite": (100, 300_000),  # anything with vacant_kd or logit_suppression (fedvls)
-    "pair": (100, 300_000),  # SCALA's offset_ce_pair, fewer than 20 clients
-    "pair_many_clients": (2, 0),  # ... 20 clients or more: the reference's per-client ops dominate
+    "pair": (100, 300_000),  # SCALA's offset_ce_pair, against its eager pair (a few ops for any K)
     "sgb": (10, 10_000),
 }
 
@@ -171,11 +170,6 @@ def pair_offsets(server_objective: Any, client_objectives: Sequence[Any],
     return offsets[0], torch.stack(offsets[1:])
 
 
-def pair_family(num_clients: int) -> str:
-    """The CPU_AUTO_RULES row of SCALA's pair for K clients (the reference's cost grows with K)."""
-    return "pair" if num_clients < 20 else "pair_many_clients"
-
-
 def offset_ce_pair(logits: torch.Tensor, targets: torch.Tensor, server_offset: torch.Tensor,
                    client_offsets: torch.Tensor, sizes: Sequence[int], *,
                    fused: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +197,7 @@ def offset_ce_pair(logits: torch.Tensor, targets: torch.Tensor, server_offset: t
                          f"({len(sizes)}, {C}), got {tuple(server_offset.shape)} and {tuple(client_offsets.shape)}")
     server_offset = server_offset.to(device=logits.device)
     client_offsets = client_offsets.to(device=logits.device)
-    impl = backend(mode, logits, pair_family(len(sizes)))
+    impl = backend(mode, logits, "pair")
     if impl is None:  # eager, and vectorised over the clients: a fixed handful of ops for any K
         server = F.cross_entropy(logits + server_offset.to(logits.dtype), targets)
         counts = torch.tensor(sizes, device=logits.device)
