@@ -40,10 +40,10 @@ def median_after_first(rows: list[dict], key: str = "train_s") -> float:
 
 def serialise_s(config: RunConfig, repeat: int = 3) -> float:
     """Encode and decode one round's messages (no transport), best of ``repeat``."""
+    from fedlt.algorithms.base import ClientData
     from fedlt.algorithms.protocol import ClientResult, ClientStates
     from fedlt.algorithms.split import SplitLearning
     from fedlt.algorithms.split_client import Upload
-    from fedlt.algorithms.base import ClientData
     from fedlt.flower import codec
 
     prep = prepare(config)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_problems import loss_problems, value_and_grad
 
 import fedlt.losses as L
 import fedlt.posthoc
@@ -23,41 +24,11 @@ F64 = torch.float64
 @st.composite
 def problems(draw, counts_kind=None):
     """(logits, teacher, targets, counts, global_counts): zero counts, one present class, ±1e4."""
-    C = draw(st.integers(2, 6))
-    B = draw(st.integers(1, 5))
-    kind = counts_kind or draw(st.sampled_from(["random", "random", "single", "many_vacant"]))
-    if kind == "single":
-        counts = [0] * C
-        counts[draw(st.integers(0, C - 1))] = draw(st.integers(1, 50))
-    elif kind == "equal":
-        counts = [draw(st.integers(1, 50))] * C
-    elif kind == "many_vacant":
-        counts = [0] * C
-        for c in draw(st.sets(st.integers(0, C - 1), min_size=1, max_size=max(1, C - 2))):
-            counts[c] = draw(st.integers(1, 50))
-    else:
-        counts = draw(st.lists(st.integers(0, 50), min_size=C, max_size=C))
-        if sum(counts) == 0:
-            counts[draw(st.integers(0, C - 1))] = 1
+    logits, teacher, targets, counts = draw(loss_problems(counts_kind, max_classes=6, max_batch=5))
     # The federation holds at least what this client holds, and may miss classes entirely.
-    extra = draw(st.lists(st.integers(0, 200), min_size=C, max_size=C))
-    global_counts = [n + e for n, e in zip(counts, extra)]
-    present = [c for c in range(C) if counts[c] > 0]
-    targets = torch.tensor(draw(st.lists(st.sampled_from(present), min_size=B, max_size=B)))
-    scale = draw(st.sampled_from([1.0, 10.0, 1e4]))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    logits = torch.randn(B, C, generator=gen, dtype=F64) * scale
-    teacher = torch.randn(B, C, generator=gen, dtype=F64) * scale
-    if draw(st.booleans()):  # the extreme corners: every logit exactly ±1e4
-        logits = torch.where(logits >= 0, 1e4, -1e4).to(F64)
-    return logits, teacher, targets, counts, global_counts
+    extra = draw(st.lists(st.integers(0, 200), min_size=len(counts), max_size=len(counts)))
+    return logits, teacher, targets, counts, [n + e for n, e in zip(counts, extra)]
 
-
-def value_and_grad(fn, logits, *args, **kwargs):
-    z = logits.detach().clone().requires_grad_(True)
-    value = fn(z, *args, **kwargs)
-    (grad,) = torch.autograd.grad(value, z, allow_unused=True)
-    return value.detach(), (torch.zeros_like(z) if grad is None else grad)
 
 
 def close(a, b, tol=1e-8):

@@ -75,7 +75,7 @@ def objective(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch
         P, lse, a_y = _softmax(zf, targets, None if ce.offset is None else _vec(ce.offset, zf))
         P[torch.arange(len(targets), device=P.device), targets] -= 1.0
         return (ce.weight * (lse - a_y).double().mean()).to(zf.dtype), P, ce.weight / len(targets)
-    B, C = zf.shape
+    B = zf.shape[0]
     rows = torch.arange(B, device=zf.device)
     ces = [p for p in parts if isinstance(p, OffsetCE)]
     sups = [p for p in parts if isinstance(p, Suppression)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from fedlt.errors import FedltError
 from fedlt.losses.fused import cpu
-from fedlt.losses.fused.parts import Part, kinds
+from fedlt.losses.fused.parts import Part
 
 MODES = ("auto", "on", "off")
 
