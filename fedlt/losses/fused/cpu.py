@@ -165,9 +165,10 @@ def _shared_softmax_terms(zf, targets, teacher_logits, ce: OffsetCE | None, sups
     return value, grad
 
 
-def _to_gradient(out, P, r, y, P_y, base, kd, sl, u, v, q) -> None:
+def _to_gradient(out, P, r, y, P_y, base, kd, sl, u, v, teacher_part) -> None:
     """out = P ⊙ (base + u vᵀ + a maskᵀ) (``out`` may be ``P`` itself), target entries
-    P_y·(base + a_i·mask_{y_i}) − base (the suppression's gradient is 0 there), minus the KD's (w/B)·q."""
+    P_y·(base + a_i·mask_{y_i}) − base (the suppression's gradient is 0 there), plus the KD's
+    ``teacher_part`` −(w/B)·q on the vacant columns."""
     U = [] if u is None else [u]
     V = [] if v is None else [v]
     if kd is not None:
@@ -182,7 +183,7 @@ def _to_gradient(out, P, r, y, P_y, base, kd, sl, u, v, q) -> None:
     on_target = base if kd is None else base + kd.a[sl] * kd.mask[y]
     out[r, y] = P_y * on_target - base
     if kd is not None:
-        out.scatter_add_(1, kd.O.unsqueeze(0).expand(len(q), -1), q)  # q is −(w/B)·q here
+        out.scatter_add_(1, kd.O.unsqueeze(0).expand(len(teacher_part), -1), teacher_part)
 
 
 class _ColumnSums:
