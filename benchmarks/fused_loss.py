@@ -5,8 +5,9 @@
 Objectives: ``logit_adjust``, the ``fedvls`` composite, SCALA's dual loss (server prior + every
 client's prior from one set of server logits; 10 and 50 clients) and ``sgb`` (Fed-GraB: DPA
 gating), for B ∈ {320, 4096} × C ∈ {10, 100, 1000}. Variants: ``reference`` (fused="off"),
-``fused`` (the analytic CPU path, fused="on") and ``auto`` (what a run does by default). Each
-time is the best of ``--reps`` repetitions, the variants interleaved repetition by repetition so
+``fused`` (the analytic CPU path, fused="on") and ``auto`` (what a run does by default); for
+SCALA's pair also ``eager pair`` (``offset_ce_pair`` with ``fused="off"``: the vectorised eager
+path that ``auto`` weighs the fused pass against). Each time is the best of ``--reps`` repetitions, the variants interleaved repetition by repetition so
 a noisy neighbour on the shared machine hits all of them alike. ``bytes`` is what the objective
 must move at the least (logits read once, gradient written once, the teacher's vacant columns,
 targets and per-class vectors), and GB/s that over the measured time.
@@ -84,7 +85,7 @@ def setup(objective: str, B: int, C: int, seed: int = 0):
             return step
 
         # one read of the logits, two gradients written, K×C client offsets
-        return {"reference": reference, "fused": pair("on"), "auto": pair("auto")}, \
+        return {"reference": reference, "fused": pair("on"), "auto": pair("auto"), "eager pair": pair("off")}, \
             3 * B * C * 4 + K * C * 4 + small
 
     if objective == "sgb":
@@ -186,15 +187,17 @@ def main() -> None:
             reps = args.reps if B * C < 1_000_000 else max(3, args.reps // 2 + 1)
             best = best_times(steps, reps)
             ref, fused, auto = best["reference"], best["fused"], best["auto"]
+            eager = best.get("eager pair")  # SCALA's pair only: offset_ce_pair's eager path, what auto weighs fused against
             rows.append([objective, B, C, ref * 1e3, fused * 1e3, auto * 1e3, ref / fused, ref / auto,
-                         nbytes / 1e6, nbytes / fused / 1e9, nbytes / ref / 1e9])
+                         nbytes / 1e6, nbytes / fused / 1e9, nbytes / ref / 1e9,
+                         "-" if eager is None else eager * 1e3])
     meta = {"threads": args.threads, "reps": args.reps, "timing": "best of reps, variants interleaved in rotating order",
             "cpu_auto_min_elements": dict(CPU_AUTO_RULES), "torch": torch.__version__}
     if args.compile:
         meta["torch_compile_fedvls_4096x1000"] = compiled_fedvls(args.reps)
         print("torch.compile fedvls 4096x1000:", meta["torch_compile_fedvls_4096x1000"])
     report("fused_loss", ["objective", "B", "C", "reference ms", "fused ms", "auto ms", "ref/fused", "ref/auto",
-                          "bytes MB", "fused GB/s", "reference GB/s"], rows, meta)
+                          "bytes MB", "fused GB/s", "reference GB/s", "eager pair ms"], rows, meta)
 
 
 if __name__ == "__main__":

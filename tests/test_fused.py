@@ -98,7 +98,8 @@ def test_fused_composites_match_the_reference(problem, expr):
 
 
 @SETTINGS
-@given(problems(), st.sampled_from(EXPRESSIONS), st.integers(1, 5))
+@given(problems(), st.sampled_from(EXPRESSIONS + ["ce + vacant_kd", "logit_adjust + 0.5*vacant_kd"]),
+       st.integers(1, 5))
 def test_row_blocks_give_the_reference_result(problem, expr, rows_per_block):
     """The shared-softmax terms run over row blocks (``cpu.BLOCK_ELEMENTS``). Blocks of 1 to 5 rows
     exercise what one block never does: the suppression's column sums rescaled as the running
@@ -131,6 +132,28 @@ def test_vacant_rows_beyond_float_range_are_exact_in_every_block(rows_per_block)
         value_ref, grad_ref = value_and_grad(L.build(expr, class_counts=counts, fused="off"), logits, targets, teacher)
         assert_agree(value, value_ref, 200.0, expr)
         assert_agree(grad, grad_ref, 1e-3, expr)
+
+
+@pytest.mark.parametrize("expr", ["fedvls", "logit_adjust + 0.5*vacant_kd", "logit_suppression"])
+def test_upstream_factors_and_a_retained_graph_reach_the_fused_gradient(expr):
+    """The backward scales the saved gradient by the upstream factor (0.5·loss, a loss summed with
+    another), and hands it on unchanged for a factor of exactly 1 — twice through a retained graph
+    the gradients accumulate as the reference's do."""
+    gen = torch.Generator().manual_seed(3)
+    logits, teacher = torch.randn(9, 7, generator=gen) * 3, torch.randn(9, 7, generator=gen)
+    targets = torch.tensor([0, 1, 2, 0, 1, 2, 5, 5, 0])
+    counts = torch.tensor([4.0, 3, 2, 0, 0, 6, 0])
+    results = {}
+    for mode in ("on", "off"):
+        loss = L.build(expr, class_counts=counts, fused=mode)
+        z = logits.clone().requires_grad_(True)
+        value = loss(z, targets, teacher_logits=teacher)
+        (half,) = torch.autograd.grad(0.5 * value + value.detach(), z, retain_graph=True)
+        value.backward(retain_graph=True)
+        value.backward()
+        results[mode] = (half, z.grad)
+    assert_agree(results["on"][0], results["off"][0], 1e-3, f"{expr}: 0.5 × loss")
+    assert_agree(results["on"][1], results["off"][1], 1e-3, f"{expr}: two backward passes")
 
 
 @settings(deadline=None, max_examples=25)

@@ -12,8 +12,9 @@ from it:
   matrix-vector product Pᵀu with the B target entries zeroed (one read, BLAS), and its gradient is
   P ⊙ (u vᵀ) — no second exponential. A column whose sum falls below float range (logits ~1e4 apart)
   is recomputed exactly (rare; keeps the extreme cases equal to the reference).
-- vacant KD: two softmaxes over the vacant columns; KL(q‖p) per row = Σ_c q_c(t_c − z_c) − lse_t + lse_z
-  (one dot product, no per-element logarithm).
+- vacant KD: the student's vacant softmax read off the shared softmax (or, at T ≠ 1, its own over
+  the vacant columns), the teacher's over the vacant columns only; KL(q‖p) per row =
+  Σ_c q_c(t_c − z_c) − lse_t + lse_z (dot products, no per-element logarithm).
 - SGB: one sigmoid (or softmax); the collector's column sums from the same buffer.
 
 Inputs of any float dtype are read once into float32 (float64 stays float64); the value and the
@@ -108,11 +109,11 @@ def objective(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch
     return value.to(zf.dtype), grad, 1.0
 
 
-# Logits per row block of the shared-softmax terms: a block's few B×C-shaped temporaries (2 MiB
+# Logits per row block of the shared-softmax terms: a block's few B×C-shaped temporaries (4 MiB
 # each in float32) stay in the last-level cache, so each pass reads the logits from memory once
-# rather than once per operation, while the per-operation overhead is paid only B·C / 2^19 times.
-# Measured best of 2^14..2^24 in benchmarks/fused_loss.py's fedvls cases (docs/fused.md).
-BLOCK_ELEMENTS = 1 << 19
+# rather than once per operation, while the per-operation overhead is paid only B·C / 2^20 times.
+# Measured from 2^14 to one block in benchmarks/fused_loss.py's fedvls 4096×1000 case (docs/fused.md).
+BLOCK_ELEMENTS = 1 << 20
 
 
 def _shared_softmax_terms(zf, targets, teacher_logits, ce: OffsetCE | None, sups: list[Suppression],
@@ -127,7 +128,8 @@ def _shared_softmax_terms(zf, targets, teacher_logits, ce: OffsetCE | None, sups
     need every row, so pass 2 turns P into G in place. Without suppression pass 1 finishes each block.
     """
     B, C = zf.shape
-    step = max(1, BLOCK_ELEMENTS // C)
+    # off the CPU (CUDA without triton under "on") one block: each block synchronises a few times
+    step = max(1, BLOCK_ELEMENTS // C) if zf.device.type == "cpu" else B
     ce_w = 0.0 if ce is None else ce.weight
     grad = torch.empty_like(zf)
     lse, P_y = zf.new_empty(B), zf.new_empty(B)
@@ -286,7 +288,7 @@ class _SharedKD:
             raise ValueError("vacant_kd needs teacher_logits")
         B, C = zf.shape
         self.weight, self.B = part.weight, B
-        self.w = part.weight / B
+        self.w_over_B = part.weight / B  # w/B of the docstrings
         self.O = part.vacant.get(zf.device, torch.long)
         self.mask = torch.zeros(C, dtype=zf.dtype, device=zf.device)
         self.mask[self.O] = 1.0
@@ -309,13 +311,13 @@ class _SharedKD:
         lse_t = _row_lse(tO, q)
         zO = z.index_select(1, self.O)
         cross = torch.dot(q.flatten(), tO.flatten()).double() - torch.dot(q.flatten(), zO.flatten()).double()
-        self.a[sl] = torch.where(ok, self.w / S, torch.zeros_like(S))
+        self.a[sl] = torch.where(ok, self.w_over_B / S, torch.zeros_like(S))
         if not bool(ok.all()):
             bad = (~ok).nonzero().flatten()
             lse_z[bad] = torch.logsumexp(zO[bad], 1)
-            self.fixes.append((bad + sl.start, torch.softmax(zO[bad], 1) * self.w))
+            self.fixes.append((bad + sl.start, torch.softmax(zO[bad], 1) * self.w_over_B))
         self.value += self.weight * (cross - (lse_t - lse_z).double().sum()) / self.B
-        q = torch.mul(q, -self.w, out=None if self.q is None else self.q[sl])
+        q = torch.mul(q, -self.w_over_B, out=None if self.q is None else self.q[sl])
         return q
 
     def apply_fixes(self, grad: torch.Tensor) -> None:

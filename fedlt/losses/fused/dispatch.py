@@ -112,9 +112,11 @@ class FusedObjective(torch.autograd.Function):
     def backward(ctx: Any, upstream: torch.Tensor):
         (grad,) = ctx.saved_tensors
         factor = upstream.to(grad.dtype) * ctx.scale
-        if grad.dtype == ctx.dtype and not grad.is_cuda and factor.numel() == 1 and float(factor) == 1.0:
+        if grad.dtype == ctx.dtype and grad.device.type == "cpu" and factor.numel() == 1 and float(factor) == 1.0:
             # loss.backward() on an unweighted composite: the gradient is ready, skip a B×C pass
-            # (reading the factor is free on the CPU; on CUDA it would synchronise)
+            # (reading the factor is free on the CPU; elsewhere it would synchronise). The saved
+            # tensor itself goes downstream: a hook that edits it in place breaks a second
+            # backward through a retained graph (autograd then raises; docs/fused.md).
             return grad, None, None, None, None
         return (grad * factor).to(ctx.dtype), None, None, None, None
 
@@ -203,6 +205,8 @@ def offset_ce_pair(logits: torch.Tensor, targets: torch.Tensor, server_offset: t
         counts = torch.tensor(sizes, device=logits.device)
         segment = torch.repeat_interleave(torch.arange(len(sizes), device=logits.device), counts)
         per_row = F.cross_entropy(logits + client_offsets.to(logits.dtype)[segment], targets, reduction="none")
+        # the segment sums accumulate in float32 at least (bfloat16 per-row losses would lose digits)
+        per_row = per_row.to(cpu.work_dtype(per_row.dtype))
         clients = per_row.new_zeros(len(sizes)).index_add(0, segment, per_row) / counts
-        return server, clients
+        return server, clients.to(logits.dtype)
     return _OffsetCEPair.apply(logits, targets, server_offset, client_offsets, sizes, impl)
