@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedlt.losses as L

@@ -5,13 +5,12 @@ the same global weights as ``fused="off"`` within float tolerance, through RunCo
 from __future__ import annotations
 
 import json
-
 from unittest import mock
 
 import pytest
 import torch
-
 from fedlt.cli import main
+
 from fedlt.config import RunConfig
 from fedlt.engine import run
 from fedlt.io import load_checkpoint
