@@ -2,7 +2,7 @@
 prepare.sh) offline, with the MNIST command line of the paper's setting, and record its per-round
 accuracy. Nothing here changes how the authors' code trains; this script only
 
-  * stubs three modules main.py imports and never uses on MNIST (cv2, h5py, calmsize),
+  * stubs three modules main.py imports and never uses for training on MNIST (cv2, h5py, calmsize),
   * forbids torchvision from downloading (the idx files must already be in WORK/rawdata/MNIST/raw),
   * with --data fedlt, swaps data.generate_mnist.generate_mnist for a function that builds the same
     loaders the same way (same transform, DataLoader(batch 64, drop_last=True, shuffle=True)) from
@@ -105,7 +105,8 @@ def main() -> None:
     for unused in ("cv2", "h5py"):  # imported by data/meta_dataset.py (PACS) and utils/result_utils.py, unused here
         sys.modules[unused] = types.ModuleType(unused)
     calmsize = types.ModuleType("calmsize")
-    calmsize.size = lambda n: f"{n}B"  # imported by utils/mem_utils.py for its memory report
+    # imported by utils/mem_utils.py, whose memory report (after the run) formats it with {:.2f}
+    calmsize.size = lambda n: float(n)
     sys.modules["calmsize"] = calmsize
 
     import torchvision
