@@ -105,23 +105,35 @@ def test_flower_engine_without_flower_is_one_line_and_exit_2(monkeypatch, capsys
 
 
 class NoNodes:
-    """A Grid to which no SuperNode ever connects."""
+    """A Grid to which no SuperNode ever connects; counts how often it is asked."""
+
+    polls = 0
 
     def get_node_ids(self):
+        self.polls += 1
         return []
 
     def send_and_receive(self, messages, *, timeout=None):
         return []
 
 
-def test_missing_supernodes_are_a_clear_error_after_a_bounded_wait(tmp_path):
-    import time
+def test_missing_supernodes_are_a_clear_error_after_a_bounded_wait(tmp_path, monkeypatch):
+    import types
 
+    import fedlt.flower.server_app as server_app
     from fedlt.errors import FedltError
-    from fedlt.flower.server_app import FlowerRounds
 
-    rounds = FlowerRounds(NoNodes(), config("fedavg", tmp_path / "r"), node_wait=1.0)
-    started = time.monotonic()
+    clock = types.SimpleNamespace(now=100.0, slept=[])  # a fake clock: the wait costs no real time
+
+    def sleep(seconds):
+        clock.slept.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr(server_app, "time", types.SimpleNamespace(monotonic=lambda: clock.now, sleep=sleep,
+                                                                  perf_counter=lambda: clock.now))
+    grid = NoNodes()
+    rounds = server_app.FlowerRounds(grid, config("fedavg", tmp_path / "r"), node_wait=1.0)
     with pytest.raises(FedltError, match=r"no SuperNode holds partition\(s\) \[0, 1, 2\] of 3 after 1s"):
         rounds.nodes()
-    assert 1.0 <= time.monotonic() - started < 10
+    # it kept asking for nodes every 0.5 s until node_wait had passed, then stopped
+    assert clock.slept == [0.5, 0.5] and grid.polls == 3
