@@ -288,6 +288,19 @@ def sgb(logits: torch.Tensor, targets: torch.Tensor, w_pos: torch.Tensor, w_neg:
 
 
 @triton.jit
+def _pair_tile(z_ptr, so_ptr, co_ptr, rows, row_ok, seg, c0, C, stride_z, BLOCK_C: tl.constexpr):
+    """One class block of the pair's rows: its columns, mask, logits, server offsets and each
+    row's client offsets (both passes of ``_pair`` read the same tile)."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ok = row_ok[:, None] & col_ok[None, :]
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    so = tl.load(so_ptr + cols, mask=col_ok, other=0.0)
+    co = tl.load(co_ptr + seg[:, None] * C + cols[None, :], mask=ok, other=0.0)
+    return cols, ok, z, so, co
+
+
+@triton.jit
 def _pair(z_ptr, y_ptr, seg_ptr, so_ptr, co_ptr, scale_ptr, gs_ptr, gc_ptr, lse_s_ptr, lse_c_ptr,
           B, C, stride_z, inv_B, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     """Row log-sum-exps of z + o_server and z + o_client(row), then both gradients:
@@ -300,12 +313,7 @@ def _pair(z_ptr, y_ptr, seg_ptr, so_ptr, co_ptr, scale_ptr, gs_ptr, gc_ptr, lse_
     zero = tl.zeros([BLOCK_B], dtype=tl.float32)
     m_s, s_s, m_c, s_c = zero + NEG_INF, zero, zero + NEG_INF, zero
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        ok = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        so = tl.load(so_ptr + cols, mask=col_ok, other=0.0)
-        co = tl.load(co_ptr + seg[:, None] * C + cols[None, :], mask=ok, other=0.0)
+        cols, ok, z, so, co = _pair_tile(z_ptr, so_ptr, co_ptr, rows, row_ok, seg, c0, C, stride_z, BLOCK_C)
         m_s, s_s = _online(m_s, s_s, tl.where(ok, z + so[None, :], NEG_INF))
         m_c, s_c = _online(m_c, s_c, tl.where(ok, z + co, NEG_INF))
     lse_s = m_s + tl.log(s_s)
@@ -314,12 +322,7 @@ def _pair(z_ptr, y_ptr, seg_ptr, so_ptr, co_ptr, scale_ptr, gs_ptr, gc_ptr, lse_
     tl.store(lse_c_ptr + rows, lse_c, mask=row_ok)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        ok = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        so = tl.load(so_ptr + cols, mask=col_ok, other=0.0)
-        co = tl.load(co_ptr + seg[:, None] * C + cols[None, :], mask=ok, other=0.0)
+        cols, ok, z, so, co = _pair_tile(z_ptr, so_ptr, co_ptr, rows, row_ok, seg, c0, C, stride_z, BLOCK_C)
         onehot = tl.where(y[:, None] == cols[None, :], 1.0, 0.0)
         ptrs = rows[:, None] * C + cols[None, :]
         tl.store(gs_ptr + ptrs, (tl.exp(z + so[None, :] - lse_s[:, None]) - onehot) * inv_B, mask=ok)
