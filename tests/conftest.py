@@ -28,3 +28,25 @@ def without_timings(run_dir) -> list[dict]:
     runs of the same configuration must agree on exactly."""
     return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def resolved(monkeypatch, tmp_path):
+    """``resolved(*argv) -> RunConfig``: what ``fedlt run`` would train, without training."""
+    import fedlt.engine
+    from fedlt.cli import main
+
+    seen: list = []
+
+    def fake_run(cfg, *, resume=False, on_round=None, on_start=None):
+        seen.append(cfg)
+        return {"final": {"accuracy": 0.0, "balanced_accuracy": 0.0}, "best": {"accuracy": 0.0, "round": 1},
+                "rounds": cfg.rounds, "wall_time_s": 0.0}
+
+    monkeypatch.setattr(fedlt.engine, "run", fake_run)
+
+    def resolve(*argv: str):
+        main(["run", "--out", str(tmp_path / "out"), "--quiet", *argv])
+        return seen[-1]
+
+    return resolve

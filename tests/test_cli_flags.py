@@ -15,7 +15,7 @@ import fedlt.engine
 import fedlt.partitioners as P
 from fedlt.cli import main
 from fedlt.cli.flags import resolve_partition
-from fedlt.config import DEFAULT_PARTITION, RunConfig
+from fedlt.config import DEFAULT_PARTITION
 from fedlt.errors import FedltError
 from fedlt.spec import format_spec, parse_spec
 
@@ -71,22 +71,9 @@ def direct(argv: list[str]) -> dict | None:
 
 
 @pytest.fixture
-def resolved(monkeypatch, tmp_path):
-    """``resolved(*argv) -> RunConfig``: what ``fedlt run`` would train, without training."""
-    seen: list[RunConfig] = []
-
-    def fake_run(cfg, *, resume=False, on_round=None, on_start=None):
-        seen.append(cfg)
-        return {"final": {"accuracy": 0.0, "balanced_accuracy": 0.0}, "best": {"accuracy": 0.0, "round": 1},
-                "rounds": cfg.rounds, "wall_time_s": 0.0}
-
-    monkeypatch.setattr(fedlt.engine, "run", fake_run)
-
-    def resolve(*argv: str) -> RunConfig:
-        main(["run", "--out", str(tmp_path / "out"), "--quiet", "--clients", "10", *argv])
-        return seen[-1]
-
-    return resolve
+def resolved(resolved):
+    """conftest's ``resolved`` with 10 clients (the small fake datasets here hold few samples)."""
+    return lambda *argv: resolved("--clients", "10", *argv)
 
 
 @pytest.fixture

@@ -9,28 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import fedlt.engine
 from fedlt.cli import main
 from fedlt.config import RunConfig
-
-
-@pytest.fixture
-def resolved(monkeypatch, tmp_path):
-    """``resolved(*argv) -> RunConfig``: what ``fedlt run`` would train, without training."""
-    seen: list[RunConfig] = []
-
-    def fake_run(cfg, *, resume=False, on_round=None, on_start=None):
-        seen.append(cfg)
-        return {"final": {"accuracy": 0.0, "balanced_accuracy": 0.0}, "best": {"accuracy": 0.0, "round": 1},
-                "rounds": cfg.rounds, "wall_time_s": 0.0}
-
-    monkeypatch.setattr(fedlt.engine, "run", fake_run)
-
-    def resolve(*argv: str) -> RunConfig:
-        main(["run", "--out", str(tmp_path / "out"), "--quiet", *argv])
-        return seen[-1]
-
-    return resolve
 
 
 SETTINGS = {
