@@ -18,7 +18,9 @@ import time
 import common  # noqa: F401  (sets TRITON_INTERPRET before timm is imported)
 import torch
 
-from fedlt.algorithms.base import ClientData, ModelSpec, RunContext
+from fedlt.algorithms.base import ClientData, RunContext
+from fedlt.context import ModelSpec
+from fedlt.engine import train_round
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.algorithms.split import SplitLearning
 from fedlt.algorithms.split_server import ConcatServer
@@ -61,11 +63,11 @@ def time_iteration(model_name: str, split_at, image: tuple[int, int, int], num_c
         y = (torch.randint(0, 2, (n,), generator=g) + 2 * (cid % 5)) % 10  # two classes per client
         clients.append(ClientData(cid, torch.randn(n, *image, generator=g), y, torch.bincount(y, minlength=10)))
     states = ClientStates()
-    algorithm.train_round(0, clients, states)  # warm-up
+    train_round(algorithm, ctx, 0, clients, states)  # warm-up
     best = float("inf")
     for r in range(repeats):
         start = time.perf_counter()
-        algorithm.train_round(r + 1, clients, states)
+        train_round(algorithm, ctx, r + 1, clients, states)
         best = min(best, (time.perf_counter() - start) / iters)
     return best
 

@@ -41,12 +41,15 @@ import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import io, rundir
-from fedlt.algorithms.base import ClientData, ModelSpec, NonFiniteLoss, RunContext
-from fedlt.algorithms.protocol import ClientStates
+from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext
+from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
+from fedlt.algorithms.split import classifier_of
 from fedlt.config import RunConfig
+from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
 from fedlt.errors import FedltError, first_line
 from fedlt.metrics import class_groups, evaluate
+from fedlt.registry import Registry
 
 CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # Settings that may differ between a run and its resumption: where it goes, how long it runs, and
@@ -54,10 +57,16 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
 RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "fused", "eval_batch",
                      "engine"}
-# Engines other than the in-process loop: the module whose ``run`` drives the same loop (below)
-# through that engine's transport, imported only when chosen.
-ENGINES = {"flower": "fedlt.flower.simulation"}
-TrainRound = Callable[[Any, int, list[ClientData], ClientStates], dict[str, float]]
+
+
+def _engine_check(obj: Any) -> str | None:
+    return None if callable(obj) else f"{type(obj).__name__} is not callable (an engine runs a RunConfig)"
+
+
+# Engines: ``engine(config, *, resume, on_round, on_start) -> summary``, each driving the loop
+# below (``run(..., runner=...)``) with its own ClientRunner; a third-party engine registers
+# under the entry-point group ``fedlt.engines``.
+ENGINES: Registry = Registry("engine", entry=_engine_check)
 
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
@@ -149,6 +158,7 @@ class Prepared:
     counts: torch.Tensor  # K×C int64
     groups: dict[str, np.ndarray]
     algorithm: Any
+    ctx: RunContext
 
 
 def prepare(config: RunConfig, partition: Any = None) -> Prepared:
@@ -171,13 +181,13 @@ def prepare(config: RunConfig, partition: Any = None) -> Prepared:
         local_epochs=config.local_epochs, batch_size=config.batch_size, lr=config.optimiser.lr,
         momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
-        fused=config.fused, num_clients=config.clients,
+        fused=config.fused, num_clients=config.clients, rounds=config.rounds,
     )
     algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: split={config.split} is checked here
-    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm)
+    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx)
 
 
 @dataclass
@@ -244,36 +254,57 @@ def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig) -> RunS
                     checkpoint_round=saved["round"])
 
 
-def local_round(algorithm: Any, round_index: int, clients: list[ClientData], states: ClientStates) -> dict[str, float]:
-    return algorithm.train_round(round_index, clients, states)
+def train_round(algorithm: Any, ctx: RunContext, round_index: int, participants: list[ClientData],
+                states: ClientStates, runner: ClientRunner | None = None) -> dict[str, float]:
+    """One round as the engine runs it: the round's context (with the global classifier at its
+    start), the server side's draws in the round's own random stream (clients draw from theirs),
+    the client work through ``runner`` (default: this process). Also the way to drive an
+    algorithm by hand (tests, notebooks, benchmarks) exactly as a run would."""
+    round_ctx = ctx.round(round_index, participants, classifier_of(algorithm.global_model()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(round_seed(ctx.sampling_seed, round_index))
+        return algorithm.train_round(round_ctx, participants, states, runner or LocalRunner())
 
 
 def run(config: RunConfig, *, resume: bool = False,
         on_round: Callable[[int, dict[str, Any]], None] | None = None,
         on_start: Callable[[int], None] | None = None,
-        train_round: TrainRound | None = None) -> dict[str, Any]:
+        runner: ClientRunner | None = None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) the experiment ``config`` in ``config.out``, holding
     the run directory for the whole run (``fedlt.rundir.claim``: one process per directory, and a
     new run only into a new or empty one).
 
-    ``train_round(algorithm, round, clients, states)`` runs one round's client work through an
-    engine's transport (Flower's ServerApp passes its own); by default ``config.engine`` picks it:
-    ``local`` runs it in this process, another engine starts its runtime, which calls back here.
+    ``runner`` runs each round's client work (fedlt.algorithms.protocol.ClientRunner): an
+    engine passes its own (Flower's ServerApp sends messages). Without one, ``config.engine``
+    picks the registered engine, which calls back here with its runner (``local``: this process).
     """
-    if train_round is None and config.engine != "local":
-        import importlib
-
-        return importlib.import_module(ENGINES[config.engine]).run(config, resume=resume, on_round=on_round,
-                                                                    on_start=on_start)
+    if runner is None:
+        return ENGINES.get(config.engine)(config, resume=resume, on_round=on_round, on_start=on_start)
     with rundir.claim(Path(config.out), resume=resume):
-        return _run_claimed(config, resume=resume, on_round=on_round, on_start=on_start,
-                            train_round=train_round or local_round)
+        return _run_claimed(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner)
+
+
+@ENGINES.register("local")
+def local_engine(config: RunConfig, *, resume: bool = False,
+                 on_round: Callable[[int, dict[str, Any]], None] | None = None,
+                 on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """In this process: every participant in turn, each on its own copies of what it receives."""
+    return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner())
+
+
+@ENGINES.register("flower")
+def flower_engine(config: RunConfig, **options: Any) -> dict[str, Any]:
+    """Flower's simulation runtime: a ServerApp running this loop, a SuperNode per client
+    (docs/flower.md; needs the ``flower`` extra)."""
+    from fedlt.flower.simulation import run as simulate
+
+    return simulate(config, **options)
 
 
 def _run_claimed(config: RunConfig, *, resume: bool = False,
                  on_round: Callable[[int, dict[str, Any]], None] | None = None,
                  on_start: Callable[[int], None] | None = None,
-                 train_round: TrainRound = local_round) -> dict[str, Any]:
+                 runner: ClientRunner) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) the experiment ``config`` in ``config.out``.
 
     ``on_start(rounds_done)`` is called once every check has passed, just before the first round
@@ -292,7 +323,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
         changed = config_changes(io.read_json(out / "config.json", "run configuration", dict), config)
         if changed:
             raise FedltError(f"cannot resume {out} with changed settings: {', '.join(changed)} "
-                             "(only rounds, out, device, data_root, eval_batch, checkpoint_every may change)")
+                             f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
         partition = load_partition(out / "partition.npz")
 
     prep = prepare(config, partition)
@@ -343,10 +374,9 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
                 idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
                 clients.append(ClientData(cid, x_train[idx], y_train[idx], prep.counts[cid].to(device)))
             try:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(round_seed(config.seeds.sampling, round_index))
-                    row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
-                                           **train_round(algorithm, round_index, clients, state.client_states)}
+                row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
+                                       **train_round(algorithm, prep.ctx, round_index, clients, state.client_states,
+                                                     runner)}
                 _check_model_finite(algorithm.global_model(), "aggregation")
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None

@@ -9,7 +9,10 @@ import torch
 
 import fedlt.algorithms
 import fedlt.datasets
-from fedlt.algorithms.base import ClientData, LocalSchedule, ModelSpec, RunContext
+from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext
+from fedlt.algorithms.split import classifier_of
+from fedlt.context import ModelSpec, RoundContext
+from fedlt.engine import train_round
 from fedlt.algorithms.fedavg_family import client_update
 from fedlt.algorithms.protocol import ClientStates, ClientTask
 from fedlt.config import RunConfig
@@ -18,6 +21,7 @@ from fedlt.models.alexnet import MLP
 
 C = 10
 STATES: dict[int, ClientStates] = {}  # id(algorithm) -> the engine's client-state store
+CONTEXTS: dict[int, RunContext] = {}  # id(algorithm) -> its run context
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,8 @@ def one_round(name: str, clients, **params) -> tuple[dict, object]:
     algorithm = fedlt.algorithms.create(name, **params)
     algorithm.setup(ctx)
     STATES[id(algorithm)] = ClientStates()  # the engine's store, kept beside the algorithm for these tests
-    algorithm.train_round(0, clients, STATES[id(algorithm)])
+    CONTEXTS[id(algorithm)] = ctx
+    train_round(algorithm, ctx, 0, clients, STATES[id(algorithm)])
     return {k: v.clone() for k, v in algorithm.global_model().state_dict().items()}, algorithm
 
 
@@ -76,7 +81,7 @@ def test_fedgrab_keeps_sgb_state_per_client_across_rounds(mnist_clients):
     first = {cid: {k: v.clone() if torch.is_tensor(v) else v for k, v in _flat(states.get(cid)).items()}
              for cid in states}
     assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in first[0].values())  # pos/neg collected
-    algorithm.train_round(1, mnist_clients[:2], states)
+    train_round(algorithm, CONTEXTS[id(algorithm)], 1, mnist_clients[:2], states)
     assert differs(_tensors(first[0]), _tensors(_flat(states.get(0))))  # moved on
     assert not differs(_tensors(first[3]), _tensors(_flat(states.get(3))))  # not sampled: kept
 
@@ -93,8 +98,12 @@ def _tensors(flat: dict) -> dict:
 
 
 def fedgrab_task(data: ClientData, global_state: dict) -> ClientTask:
-    return ClientTask(data.cid, 3, global_state, data, {}, LocalSchedule(16, epochs=2, lr=0.05), "fedgrab", 7, C,
-                      ModelSpec("mlp", 1, C, 28))
+    model = MLP(784, C)
+    model.load_state_dict(global_state)
+    context = RoundContext(round_index=3, rounds=5, num_clients=4, participants=(data.cid,), num_classes=C,
+                           global_counts=data.class_counts, participant_counts=data.class_counts[None],
+                           classifier_weight=classifier_of(model), sampling_seed=7, model=ModelSpec("mlp", 1, C, 28))
+    return ClientTask(data.cid, context, global_state, data, {}, LocalSchedule(16, epochs=2, lr=0.05), "fedgrab")
 
 
 def test_client_update_is_a_pure_function_of_its_task(mnist_clients):
@@ -103,12 +112,12 @@ def test_client_update_is_a_pure_function_of_its_task(mnist_clients):
     frozen = {k: v.clone() for k, v in global_state.items()}
     task = fedgrab_task(mnist_clients[1], global_state)
     first, second = client_update(task, model), client_update(task, model)
-    assert not differs(first.weights, second.weights) and first.metrics == second.metrics
+    assert not differs(first.weights, second.weights) and first.train_loss == second.train_loss
     assert not differs(_tensors(_flat(first.state)), _tensors(_flat(second.state)))
     assert _tensors(_flat(first.state))  # Fed-GraB's collector state came back
     assert not differs(global_state, frozen)  # the received weights are not modified
     # epoch-based schedule: 2 epochs of ceil(120 / 16) = 8 batches
-    assert first.metrics["steps"] == 2 * 8
+    assert first.steps == 2 * 8
     # a work module that already trained another client changes nothing (it holds no state)
     client_update(fedgrab_task(mnist_clients[2], global_state), model)
     third = client_update(task, model)
@@ -126,10 +135,10 @@ def test_client_update_gives_the_same_result_in_a_fresh_process(mnist_clients, t
     (tmp_path / "task.pkl").write_bytes(pickle.dumps(task))
     script = ("import pickle, sys, torch; from fedlt.algorithms.fedavg_family import client_update; "
               "task = pickle.load(open(sys.argv[1], 'rb')); r = client_update(task); "
-              "torch.save({'weights': r.weights, 'state': r.state, 'metrics': r.metrics}, sys.argv[2])")
+              "torch.save({'weights': r.weights, 'state': r.state, 'loss': r.train_loss}, sys.argv[2])")
     subprocess.run([sys.executable, "-c", script, tmp_path / "task.pkl", tmp_path / "out.pt"], check=True, timeout=120)
     there = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert not differs(here.weights, there["weights"]) and here.metrics == there["metrics"]
+    assert not differs(here.weights, there["weights"]) and here.train_loss == there["loss"]
     assert not differs(_tensors(_flat(here.state)), _tensors(_flat(there["state"])))
 
 

@@ -12,6 +12,7 @@ import torch
 import fedlt.algorithms
 import fedlt.datasets
 from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext, client_generator
+from fedlt.engine import train_round
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.models.alexnet import MLP
 
@@ -58,7 +59,7 @@ def library(name: str, ctx: RunContext, rounds=ROUNDS, clients=None, **params):
     algorithm.setup(ctx)
     states = ClientStates()
     for r, part in enumerate(rounds):
-        algorithm.train_round(r, [clients[i] for i in part], states)
+        train_round(algorithm, ctx, r, [clients[i] for i in part], states)
     return {k: v.clone() for k, v in algorithm.global_model().state_dict().items()}, algorithm, states
 
 
@@ -391,7 +392,7 @@ def mnist_run(name: str, clients, **params):
     algorithm.setup(ctx)
     states = ClientStates()
     for r in range(2):
-        algorithm.train_round(r, clients, states)
+        train_round(algorithm, ctx, r, clients, states)
     return {k: v.clone() for k, v in algorithm.global_model().state_dict().items()}
 
 

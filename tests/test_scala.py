@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedlt.algorithms.base import ClientData, RunContext, client_generator
+from fedlt.engine import train_round
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.algorithms.split import SplitLearning
 from fedlt.models.alexnet import MLP, AlexNet
@@ -153,7 +154,15 @@ def make_algorithm(model_state, clients, local_iters: int = 1, server_batch: int
                      sampling_seed=0, device=torch.device("cpu"))
     algorithm = SplitLearning()
     algorithm.setup(ctx)
+    CONTEXTS[id(algorithm)] = ctx
     return algorithm
+
+
+CONTEXTS: dict[int, RunContext] = {}  # id(algorithm) -> its run context
+
+
+def one_round(algorithm, round_index, participants, states):
+    return train_round(algorithm, CONTEXTS[id(algorithm)], round_index, participants, states)
 
 
 # name: (model, fedlt's split, layers on the client, a clip threshold). Each threshold clips on
@@ -184,7 +193,7 @@ def test_scala_rounds_match_hand_written_reference(float64, one_thread, name):
 
     states = ClientStates()
     for round_index, participants in enumerate([clients, [clients[2], clients[0], clients[1]]]):
-        algorithm.train_round(round_index, participants, states)
+        one_round(algorithm, round_index, participants, states)
         reference.round(round_index, participants, sampling_seed=0)
         got = algorithm.global_model().state_dict()
         for n, want in {**reference.client, **reference.server}.items():
@@ -210,7 +219,7 @@ def test_server_forwards_once_per_local_iteration(float64):
     algorithm = make_algorithm(AlexNet(1, C).state_dict(), clients, local_iters=3)
     calls = []
     algorithm.strategy.server.module.register_forward_hook(lambda *_: calls.append(1))
-    algorithm.train_round(0, clients, ClientStates())
+    one_round(algorithm, 0, clients, ClientStates())
     assert len(calls) == 3
 
 
@@ -218,7 +227,7 @@ def test_server_optimiser_persists_and_client_models_are_averaged(float64):
     generator = torch.Generator().manual_seed(2)
     clients = make_clients(generator)
     algorithm = make_algorithm(AlexNet(1, C).state_dict(), clients, local_iters=2)
-    algorithm.train_round(0, clients, ClientStates())
+    one_round(algorithm, 0, clients, ClientStates())
     state = algorithm.strategy.server.optimiser.state_dict()["state"]
     assert state and all("momentum_buffer" in s for s in state.values())
     # the evaluated model is the averaged client part followed by the current server part

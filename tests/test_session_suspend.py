@@ -3,34 +3,32 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
+from fedlt import wire
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import ClientStates
+from fedlt.algorithms.protocol import ClientStates, LocalRunner, SeededSession, isolated
 from fedlt.config import RunConfig
-from fedlt.engine import prepare
+from fedlt.engine import prepare, train_round
 
 
 class SuspendingSessions:
-    """Each participant's session rebuilt from its task and its saved state before every call."""
+    """Each participant's session rebuilt from its task and its saved state before every call,
+    the state carried through the wire format between calls (as a Flower node keeps it)."""
 
     def __init__(self, algorithm, tasks) -> None:
-        self.algorithm, self.tasks = algorithm, list(tasks)
-        self.saved: list[bytes | None] = [None] * len(self.tasks)
+        self.algorithm, self.tasks = algorithm, [isolated(t) for t in tasks]
+        self.saved: list[tuple | None] = [None] * len(self.tasks)
 
     def _each(self, call):
         out = []
         for k, task in enumerate(self.tasks):
-            session, = self.algorithm.open_sessions([task]).sessions
+            session = SeededSession(self.algorithm, task)
             if self.saved[k] is not None:
-                session.load_state_dict(torch.load(io.BytesIO(self.saved[k]), weights_only=True))
+                session.load_state_dict(wire.decode(*self.saved[k]))
             out.append(call(k, session))
-            buffer = io.BytesIO()
-            torch.save(session.state_dict(), buffer)
-            self.saved[k] = buffer.getvalue()
+            self.saved[k] = wire.encode(session.state_dict())
         return out
 
     def forward(self):
@@ -41,6 +39,11 @@ class SuspendingSessions:
 
     def finish(self):
         return self._each(lambda k, s: s.finish())
+
+
+class SuspendingRunner(LocalRunner):
+    def exchange(self, algorithm, tasks):
+        return SuspendingSessions(algorithm, tasks)
 
 
 @pytest.mark.parametrize("algorithm", ["scala", "sfl_localloss", "splitfed_v3"])
@@ -55,10 +58,8 @@ def test_a_suspended_session_trains_exactly_like_a_live_one(algorithm, one_threa
             for cid in range(3):
                 idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long)
                 clients.append(ClientData(cid, prep.data.x_train[idx], prep.data.y_train[idx], prep.counts[cid]))
-            opener = None if k == 0 else (lambda tasks, a=prep.algorithm: SuspendingSessions(a, tasks))
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(round_index)
-                prep.algorithm.train_round(round_index, clients, states[k], open_sessions=opener)
+            runner = LocalRunner() if k == 0 else SuspendingRunner()
+            train_round(prep.algorithm, prep.ctx, round_index, clients, states[k], runner)
     a, b = live.algorithm.state_dict(), suspended.algorithm.state_dict()
     for name, tensor in a["client_side"].items():
         assert torch.equal(b["client_side"][name], tensor), name

@@ -8,6 +8,8 @@ from torch import nn
 
 import fedlt.algorithms
 from fedlt.algorithms.base import ClientData, RunContext
+from fedlt.algorithms.split import classifier_of
+from fedlt.engine import train_round
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.algorithms.split import SplitLearning, SplitStrategy
 from fedlt.algorithms.split_client import ActivationClient, Replica
@@ -65,11 +67,15 @@ def make(name: str, local_iters: int = 2, model_state=None, net=AlexNet, split="
     algorithm = fedlt.algorithms.create(name, **params)
     algorithm.setup(ctx)
     STATES[id(algorithm)] = ClientStates()  # the engine's store, kept beside the algorithm for these tests
+    CONTEXTS[id(algorithm)] = ctx
     return algorithm
 
 
+CONTEXTS: dict[int, RunContext] = {}
+
+
 def train(algorithm: SplitLearning, round_index: int, clients: list[ClientData]) -> None:
-    algorithm.train_round(round_index, clients, STATES[id(algorithm)])
+    train_round(algorithm, CONTEXTS[id(algorithm)], round_index, clients, STATES[id(algorithm)])
 
 
 def server(algorithm: SplitLearning) -> nn.Module:
@@ -290,13 +296,14 @@ def test_the_teacher_is_the_round_start_global_model_in_eval_mode_and_moves_no_s
     clients = clients_with()
     train(algorithm, 0, clients)  # BatchNorm statistics away from their initial values
     model = copy.deepcopy(algorithm.global_model())
-    tasks = algorithm.strategy.configure(1, clients, STATES[id(algorithm)])
+    round = CONTEXTS[id(algorithm)].round(1, clients, classifier_of(algorithm.global_model()))
+    tasks = algorithm.strategy.configure(round, clients, STATES[id(algorithm)])
     idx = next(ActivationClient(tasks[0], client_part(algorithm)).batches)  # the same stream, replayed
     session = ActivationClient(tasks[0], client_part(algorithm))
     before = snapshot(algorithm.global_model())
     upload = session.forward()
     side = algorithm.strategy.server
-    side.begin_round(tasks)
+    side.begin_round(round, tasks)
     got = side.teacher(upload.teacher_activations)
     model.eval()
     with torch.no_grad():

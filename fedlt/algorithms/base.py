@@ -1,8 +1,8 @@
-"""What every algorithm receives: the run context, a client's data, and the local schedule."""
+"""What every algorithm receives: the run context (and each round's), a client's data, and the local schedule."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -12,8 +12,9 @@ from torch import nn
 
 import fedlt.aggregators
 import fedlt.losses
+from fedlt.context import ModelSpec, RoundContext
 from fedlt.errors import FedltError
-from fedlt.registry import create_from_spec
+from fedlt.registry import Registry, create_from_spec
 
 
 def _valid_loss(expr: str) -> str:
@@ -24,40 +25,36 @@ def _valid_loss(expr: str) -> str:
     return expr
 
 
-def _aggregator_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
+def as_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """A component spec as ``{"name": ..., **params}`` (a bare name has no parameters)."""
     return {"name": spec} if isinstance(spec, str) else dict(spec)
 
 
-def _valid_aggregator(spec: str | dict[str, Any]) -> str | dict[str, Any]:
-    create_from_spec(fedlt.aggregators.REGISTRY, _aggregator_spec(spec), "aggregator")
-    return spec
+def from_spec(registry: Registry, spec: str | dict[str, Any]) -> Any:
+    """A fresh component (with empty state) from a name or a ``{"name": ..., **params}`` spec."""
+    spec = as_spec(spec)
+    return registry.create(spec.pop("name"), **spec)
+
+
+def spec_of(registry: Registry, what: str) -> Any:
+    """The type of an algorithm field holding a spec of ``registry``'s kind, checked (created
+    once) when the algorithm's parameters are validated, at the config boundary."""
+
+    def check(spec: str | dict[str, Any]) -> str | dict[str, Any]:
+        create_from_spec(registry, as_spec(spec), what)
+        return spec
+
+    return Annotated[str | dict[str, Any], AfterValidator(check)]
 
 
 def build_aggregator(spec: str | dict[str, Any]):
     """A fresh aggregator (with empty state) from a name or a ``{"name": ..., **params}`` spec."""
-    spec = _aggregator_spec(spec)
-    return fedlt.aggregators.create(spec.pop("name"), **spec)
+    return from_spec(fedlt.aggregators.REGISTRY, spec)
 
 
 # Algorithm fields checked when the algorithm's parameters are validated (at the config boundary).
 LossExpression = Annotated[str, AfterValidator(_valid_loss)]
-AggregatorSpec = Annotated[str | dict[str, Any], AfterValidator(_valid_aggregator)]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to build the model on any node: a plain, picklable description, not a closure."""
-
-    name: str
-    in_chans: int
-    num_classes: int
-    image_size: int
-
-    def build(self) -> nn.Module:
-        import fedlt.models
-
-        return fedlt.models.build(self.name, in_chans=self.in_chans, num_classes=self.num_classes,
-                                  image_size=self.image_size)
+AggregatorSpec = spec_of(fedlt.aggregators.REGISTRY, "aggregator")
 
 
 @dataclass(frozen=True)
@@ -147,6 +144,20 @@ class RunContext:
     global_counts: torch.Tensor | None = None  # (C,) training samples per class over all clients (FedIR)
     fused: str = "off"  # the loss objects' fused setting (issue 14)
     num_clients: int | None = None  # K, all clients (SCAFFOLD's and FedDyn's 1/K); None: the round's participants
+    rounds: int = 1  # the run's total number of rounds
+
+    def round(self, round_index: int, participants: Sequence[ClientData],
+              classifier_weight: torch.Tensor | None = None) -> RoundContext:
+        """The context of round ``round_index`` with these participants (the engine calls this)."""
+        counts = (torch.stack([c.class_counts for c in participants]) if participants
+                  else torch.zeros(0, self.num_classes, dtype=torch.int64))
+        global_counts = self.global_counts if self.global_counts is not None else counts.sum(0)
+        return RoundContext(round_index=round_index, rounds=self.rounds,
+                            num_clients=self.num_clients or len(participants),
+                            participants=tuple(c.cid for c in participants), num_classes=self.num_classes,
+                            global_counts=global_counts, participant_counts=counts,
+                            classifier_weight=classifier_weight, sampling_seed=self.sampling_seed,
+                            fused=self.fused, model=self.model)
 
     def schedule(self, batch: int) -> LocalSchedule:
         """Client k's schedule: B_k samples per step, or ``batch_size`` when training by epochs."""
@@ -156,12 +167,20 @@ class RunContext:
 
 
 class Algorithm(Protocol):
-    """The engine drives an algorithm through these calls only. ``states`` is the engine's store of
-    the clients' persistent states (fedlt.algorithms.protocol.ClientStates): an algorithm reads a
-    participant's state from it and puts the new one back; ``state_dict`` is the server side's."""
+    """The engine drives an algorithm through these calls only.
+
+    Each round the engine builds the round's context and hands it, the participants' data, its
+    store of the clients' persistent states (fedlt.algorithms.protocol.ClientStates: read a
+    participant's state, put the new one back) and its ``runner`` (how client work runs on this
+    engine) to ``train_round``, which returns the round's metrics (at least ``train_loss``).
+    Client work is declared by defining ``client_work(task)`` (one call per round: the runner's
+    ``call``) and/or ``open_session(task)`` (split learning: the runner's ``exchange``); see
+    fedlt.algorithms.protocol. ``state_dict`` is the server side's state.
+    """
 
     def setup(self, ctx: RunContext) -> None: ...
-    def train_round(self, round_index: int, clients: list[ClientData], states: Any) -> dict[str, float]: ...
+    def train_round(self, round: RoundContext, clients: list[ClientData], states: Any,
+                    runner: Any) -> dict[str, float]: ...
     def global_model(self) -> nn.Module: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -169,11 +188,6 @@ class Algorithm(Protocol):
 
 class NonFiniteLoss(FedltError):
     """A NaN or inf loss: the run stops and names where it happened."""
-
-
-def check_finite(value: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(value.detach()).all():
-        raise NonFiniteLoss(f"non-finite loss ({value.item()}) at {where}")
 
 
 def raise_first_non_finite(per_step: torch.Tensor, where: str, step_name: str = "local step") -> None:
@@ -185,21 +199,19 @@ def raise_first_non_finite(per_step: torch.Tensor, where: str, step_name: str = 
         raise NonFiniteLoss(f"non-finite loss ({per_step[step].item()}) at {step_name} {step + 1}, {where}")
 
 
-def objective_value(objective, logits: torch.Tensor, labels: torch.Tensor, where: str,
-                    teacher: Callable[[], torch.Tensor] | None = None, params: list | None = None) -> torch.Tensor:
-    """One step's loss, given what its terms ask for: ``teacher()`` the global model's logits on
-    the same inputs (run without grad, only if a term needs them), ``params`` the trained weights."""
-    extra: dict[str, Any] = {}
-    if objective.needs_teacher:
-        with torch.no_grad():
-            extra["teacher_logits"] = teacher()
-    if objective.needs_params:
-        extra["params"] = params
-    value = objective(logits, labels, **extra)
-    check_finite(value, where)
-    return value
-
-
 def objective_seed(sampling_seed: int, cid: int) -> int:
     """The seed of client ``cid``'s loss terms (SGB's gating); -1 is the server side's."""
     return sampling_seed * 100_003 + cid
+
+
+def build_objective(expr: Any, context: RoundContext, cid: int, class_counts: torch.Tensor,
+                    global_params: Sequence[torch.Tensor], state: dict[str, Any] | None = None):
+    """The one way every side builds a local objective for a round (SPEC §2): ``expr`` with the
+    round's context, the owner's class counts (a client's, or the batch the server sees), the
+    weights its weight-space terms anchor at, its terms' seed (``cid``; -1 for the server side),
+    and its persistent loss state restored."""
+    objective = fedlt.losses.build(expr, context=context, class_counts=class_counts, global_params=list(global_params),
+                                   seed=objective_seed(context.sampling_seed, cid))
+    if state:
+        objective.load_state_dict(state)
+    return objective

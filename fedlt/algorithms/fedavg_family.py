@@ -17,34 +17,20 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 from torch import nn
 from torch.func import functional_call
 
-import fedlt.losses
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
-                                   build_aggregator, client_generator, objective_seed, proportional_batches,
-                                   raise_first_non_finite)
-from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
-from fedlt.errors import FedltError
-from fedlt.models import classifier, eval_mode
+                                   build_aggregator, build_objective, client_generator, proportional_batches)
+from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
+from fedlt.context import RoundContext
+from fedlt.models import eval_mode
 
 
-def build_objective(task: ClientTask, model: nn.Module):
-    """The client's local objective for this round, built once, its persistent state restored.
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters, in the order of ``[p for p in model.parameters() if p.requires_grad]``."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
-    ``global_params`` / ``classifier_weight`` are views of the received weights (no copy)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    try:
-        classifier_weight = task.weights[names[id(classifier(model).weight)]]
-    except FedltError:  # models without the classifier hook still run objectives that don't read it
-        classifier_weight = None
-    objective = fedlt.losses.build(
-        task.objective, class_counts=task.data.class_counts, num_classes=task.num_classes,
-        classifier_weight=classifier_weight, global_counts=task.payload.get("global_counts"),
-        global_params=[task.weights[name] for name, p in model.named_parameters() if p.requires_grad],
-        seed=objective_seed(task.seed, task.cid), fused=task.fused,
-    )
-    if task.state.get("loss"):
-        objective.load_state_dict(task.state["loss"])
-    return objective
+
+OBJECTIVE = "objective"  # the part of a step's loss that is the task's loss expression
 
 
 class ClientUpdate:
@@ -54,23 +40,28 @@ class ClientUpdate:
 
     Calling it is ``client_update(task, model)``. The hooks, in the order the loop calls them:
     ``begin`` (once: what this round's variant needs, returned as ``local``), per step
-    ``backward`` (the loss and its gradients; by default ``loss`` then ``.backward()``) and
-    ``correct`` (edits the gradients before clipping), then ``end`` (once: the client's new
-    persistent state and the extras the strategy reads). Subclasses are plain, picklable
-    dataclasses holding their hyper-parameters only: nothing is carried between calls.
+    ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
+    ``.backward()`` of their sum) and ``correct`` (edits the gradients before clipping), then
+    ``end`` (once: the client's new persistent state and the extras the strategy reads). A
+    variant that adds a term to the loss adds a named part, so a non-finite step names the part
+    that produced it. Subclasses are plain, picklable dataclasses holding their
+    hyper-parameters only: nothing is carried between calls.
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         if model is None:
-            model = task.model.build().to(task.data.x.device)
+            model = task.context.model.build().to(task.data.x.device)
         model.load_state_dict(task.weights)
         model.train()
-        objective = build_objective(task, model)
+        names = trainable_names(model)
+        objective = build_objective(task.objective, task.context, task.cid, task.data.class_counts,
+                                    [task.weights[n] for n in names], task.state.get("loss"))
         params = [p for p in model.parameters() if p.requires_grad]
         optimiser = task.schedule.optimiser(params)
-        generator = client_generator(task.seed, task.round_index, task.cid)
+        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
         local = self.begin(task, model, params)
-        losses: list[torch.Tensor] = []  # kept on the device: one host synchronisation per round, not per step
+        parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
+        steps = 0
         for idx in task.schedule.batches(len(task.data), generator):
             x, y = task.data.x[idx], task.data.y[idx]
             extra: dict[str, Any] = {}
@@ -79,32 +70,32 @@ class ClientUpdate:
             if objective.needs_params:
                 extra["params"] = params
             optimiser.zero_grad(set_to_none=True)
-            loss = self.backward(local, model, params, objective, x, y, extra)
+            for name, value in self.backward(local, model, params, objective, x, y, extra).items():
+                parts.setdefault(name, []).append(value.detach())
             self.correct(local, params)
             task.schedule.clip_(params)
             optimiser.step()
-            losses.append(loss.detach())
-        per_step = torch.stack(losses) if losses else torch.zeros(0)
-        raise_first_non_finite(per_step, f"client {task.cid}, loss {task.objective!r}")
-        own, extras = self.end(local, task, model, params, len(losses))
+            steps += 1
+        train_loss = check_parts(parts, steps, task)
+        own, extras = self.end(local, task, model, params, steps)
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return ClientResult(task.cid, weights, len(task.data), state,
-                            {"train_loss": float(per_step.double().mean()) if len(losses) else 0.0,
-                             "steps": len(losses)}, extras)
+        return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return None
 
-    def loss(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
-             extra: dict[str, Any]) -> torch.Tensor:
-        return objective(model(x), y, **extra)
+    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The step's loss as named parts (their sum is minimised): the objective, and what a
+        variant adds under a name of its own."""
+        return {OBJECTIVE: objective(model(x), y, **extra)}
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
-                 y: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
-        loss = self.loss(local, model, objective, x, y, extra)
-        loss.backward()
-        return loss
+                 y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        parts = self.parts(local, model, objective, x, y, extra)
+        sum(parts.values()).backward()
+        return parts
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         pass
@@ -115,6 +106,23 @@ class ClientUpdate:
         return {}, {}
 
 
+def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:
+    """The round's mean loss (the parts summed per step), after one finiteness check of every
+    part at every step (one host synchronisation); a non-finite one is named: the objective by
+    its expression, a variant's term by its own name."""
+    if not steps:
+        return 0.0
+    names = list(parts)
+    table = torch.stack([torch.stack(parts[n]) for n in names])  # parts × steps
+    finite = torch.isfinite(table)
+    if not bool(finite.all()):
+        part, step = (int(i) for i in (~finite).nonzero()[0])
+        what = f"loss {task.objective!r}" if names[part] == OBJECTIVE else names[part]
+        raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
+                            f"client {task.cid}, {what}")
+    return float(table.double().sum(0).mean())
+
+
 _PLAIN = ClientUpdate()
 
 
@@ -122,8 +130,8 @@ def client_update(task: ClientTask, model: nn.Module | None = None) -> ClientRes
     """Train the received weights on the client's data for one round (SPEC §2's local objective).
 
     ``model`` is a reusable work module of the right architecture (its weights are overwritten
-    with ``task.weights``; it keeps nothing between calls); without it one is built from
-    ``task.model``. The teacher of terms such as FedVLS's vacant-class distillation is the
+    with ``task.weights``; it keeps nothing between calls); without it one is built from the
+    round's model spec. The teacher of terms such as FedVLS's vacant-class distillation is the
     received global model itself, run through the same module with ``task.weights`` in eval mode.
     Returns the trained weights, the client's new persistent state (its loss terms' state, e.g.
     SGB's collector and PID; ``{}`` when it has none) and its metrics.
@@ -148,26 +156,25 @@ class Strategy:
 
     def __init__(self, model: nn.Module, aggregator, ctx: RunContext, objective: str) -> None:
         self.model, self.aggregator, self.ctx, self.objective = model, aggregator, ctx, objective
-        self.trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.trainable = trainable_names(model)
 
-    def configure(self, round_index: int, participants: Sequence[ClientData], states: ClientStates) -> list[ClientTask]:
-        ctx = self.ctx
-        weights = self.model.state_dict()  # unchanged until aggregation: shared by every task, no copy
-        batches = proportional_batches([len(c) for c in participants], ctx.server_batch)
-        payload = {"global_counts": ctx.global_counts} | self.payload(round_index)
-        return [ClientTask(c.cid, round_index, weights, c, states.get(c.cid), ctx.schedule(b), self.objective,
-                           ctx.sampling_seed, ctx.num_classes, ctx.model, ctx.fused, payload)
+    def configure(self, round: RoundContext, participants: Sequence[ClientData],
+                  states: ClientStates) -> list[ClientTask]:
+        weights = self.model.state_dict()  # unchanged until aggregation; each client works on its own copy
+        batches = proportional_batches([len(c) for c in participants], self.ctx.server_batch)
+        payload = self.payload(round)
+        return [ClientTask(c.cid, round, weights, c, states.get(c.cid), self.ctx.schedule(b), self.objective, payload)
                 for c, b in zip(participants, batches)]
 
-    def payload(self, round_index: int) -> dict[str, Any]:
+    def payload(self, round: RoundContext) -> dict[str, Any]:
         """What every participant receives besides the weights (SCAFFOLD's server control variate)."""
         return {}
 
-    def aggregate(self, round_index: int, results: Sequence[ClientResult]) -> dict[str, float]:
+    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
         new = self.aggregator(self.model.state_dict(), [(r.weights, float(r.num_samples)) for r in results],
                               self.trainable)
         self.model.load_state_dict(new)
-        return {"train_loss": sum(r.metrics["train_loss"] for r in results) / len(results)}
+        return {"train_loss": sum(r.train_loss for r in results) / len(results)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "aggregator": self.aggregator.state_dict()}
@@ -180,16 +187,12 @@ class Strategy:
 ClientFn = Callable[[ClientTask, "nn.Module | None"], ClientResult]
 
 
-def run_locally(client: ClientFn, work: nn.Module) -> Callable[[list[ClientTask]], list[ClientResult]]:
-    """The local engine's executor: each task in turn, in this process, on one reusable work module."""
-    return lambda tasks: [client(task, work) for task in tasks]
-
-
 class Federated(BaseModel):
-    """A one-call-per-round algorithm: ``client`` (a function of its task) × ``make_strategy``.
+    """A one-call-per-round algorithm: ``client_fn()`` (a function of its task) × ``make_strategy``.
 
-    ``train_round`` is the whole round: configure → run every task (locally, or through any
-    executor with the same signature, e.g. Flower's) → store the clients' states → aggregate.
+    ``train_round`` is the whole round: configure → run every task through the engine's runner
+    (``runner.call``: in this process, or on Flower nodes) → store the clients' states →
+    aggregate. ``client_work`` is the client side, the same on every engine.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -213,13 +216,16 @@ class Federated(BaseModel):
     def strategy(self) -> Strategy:
         return self._strategy
 
-    def train_round(self, round_index: int, participants: list[ClientData], states: ClientStates,
-                    execute: Callable[[list[ClientTask]], list[ClientResult]] | None = None) -> dict[str, float]:
-        execute = execute or run_locally(self.client_fn(), self._work)
-        results = execute(self._strategy.configure(round_index, participants, states))
+    def client_work(self, task: ClientTask) -> ClientResult:
+        """One participant's round, on this process's reusable work module."""
+        return self.client_fn()(task, self._work)
+
+    def train_round(self, round: RoundContext, participants: list[ClientData], states: ClientStates,
+                    runner: ClientRunner) -> dict[str, float]:
+        results = runner.call(self, self._strategy.configure(round, participants, states))
         for r in results:
             states.put(r.cid, r.state)
-        return self._strategy.aggregate(round_index, results)
+        return self._strategy.aggregate(round, results)
 
     def global_model(self) -> nn.Module:
         return self._strategy.model
@@ -250,4 +256,5 @@ preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distilla
 preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
        loss="fedgrab")
 
-__all__ = ["client_update", "ClientUpdate", "Strategy", "Federated", "FedAvgFamily", "run_locally", "NonFiniteLoss"]
+__all__ = ["client_update", "ClientUpdate", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
+           "trainable_names"]

@@ -1,24 +1,40 @@
 """What crosses between the three roles of a round (STYLE.md "Three roles"): the client side, the
 server side (a strategy) and the engine that drives them.
 
-    engine ──ClientTask──► client work (a function, or a split-learning session) ──ClientResult──► strategy
+    engine ──RoundContext──► strategy ──ClientTask──► client work ──ClientResult──► strategy
 
-A task holds everything a client's work depends on — the global weights it starts from, its data,
-its persistent state, the round's schedule and seeds — so the same task gives the same result in
-this process, in another one (it pickles), or on a Flower node. A result holds everything the
-server side needs back. The engine owns the clients' persistent states (``ClientStates``): it
-hands each participant its state in the task, stores what comes back, and checkpoints the store.
+An algorithm declares how its clients work by what it defines, and an engine's ``ClientRunner``
+runs that wherever the clients are (this process, Flower nodes, ...):
+
+- ``client_work(task) -> ClientResult``: one call per participant per round (the FedAvg family);
+  the strategy side asks ``runner.call(algorithm, tasks)``;
+- ``open_session(task)``: a split-learning session (``forward() -> Upload``,
+  ``backward(grad)``, ``finish() -> ClientResult``) driven in lockstep by the server side through
+  ``runner.exchange(algorithm, tasks)``.
+
+A task holds everything a client's work depends on — the round context, the global weights it
+starts from, its data, its persistent state, its schedule — so the same task gives the same result
+in this process, in another one, or on a Flower node: every field crosses the lossless wire format
+(``fedlt.wire``) with no per-field code, and everything random in a client's work draws from
+torch's generator seeded from (sampling seed, round, client id) (``client_rng``), whatever the
+order in which clients run. Client work gets its own copies of the tensors it receives
+(``isolated``): it cannot change the global model, the strategy's state or the engine's store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from fedlt.algorithms.base import ClientData, LocalSchedule, ModelSpec
+from fedlt import wire
+from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.context import ModelSpec, RoundContext
 
 State = dict[str, torch.Tensor]
 
@@ -29,36 +45,191 @@ class ClientTask:
 
     ``weights``: the global weights it starts from (the whole model, or the client part in split
     learning); ``state``: its persistent state from the engine's store (``{}`` on its first
-    round); ``objective``: its local loss expression; ``seed``: the run's sampling seed, from
-    which the client derives its minibatch order (with the round and its id) and its loss terms'
-    seed (with its id), so nothing random is carried between calls.
+    round); ``objective``: its local loss expression; ``payload``: what else its strategy sends
+    (SCAFFOLD's server control variate, ...). ``data`` is the one field that does not travel: a
+    node holds its own.
     """
 
     cid: int
-    round_index: int
+    context: RoundContext
     weights: State
-    data: ClientData
+    data: ClientData | None
     state: dict[str, Any]
     schedule: LocalSchedule
     objective: str
-    seed: int
-    num_classes: int
-    model: ModelSpec | None = None  # to build a work model where none is passed (another process)
-    fused: str = "off"  # the loss objects' fused setting
-    payload: dict[str, Any] = field(default_factory=dict)  # what else the strategy sends (e.g. the global classifier)
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def round_index(self) -> int:
+        return self.context.round_index
 
 
 @dataclass
 class ClientResult:
-    """What a participant sends back: its new weights, |D_k|, its new persistent state, metrics,
-    and ``extras``: what else its strategy reads (e.g. SCAFFOLD's control-variate change)."""
+    """What a participant sends back: its new weights, |D_k|, the local steps it took and their
+    mean loss (what strategies rely on), its new persistent state, further metrics, and
+    ``extras``: what else its strategy reads (SCAFFOLD's control-variate change, ...)."""
 
     cid: int
     weights: State
     num_samples: int
+    steps: int = 0
+    train_loss: float = 0.0
     state: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Upload:
+    """What a split-learning client sends the server in one local iteration: its activations (no
+    graph), their labels, and — when a loss distils from the global model — the received global
+    client part's activations on the same inputs (the server finishes the teacher's forward)."""
+
+    activations: torch.Tensor
+    labels: torch.Tensor
+    teacher_activations: torch.Tensor | None = None
+
+
+for _cls in (ClientTask, ClientResult, Upload, RoundContext, ModelSpec, LocalSchedule):
+    wire.register(_cls)
+
+
+class Sessions(Protocol):
+    """The round's split-learning sessions, driven together."""
+
+    def forward(self) -> list[Upload]: ...
+    def backward(self, grads: list[torch.Tensor | None]) -> None: ...
+    def finish(self) -> list[ClientResult]: ...
+
+
+class ClientRunner(Protocol):
+    """An engine's way of running client work (STYLE.md: the engine drives the two sides)."""
+
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]: ...
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions: ...
+
+
+# -- randomness and isolation, shared by every engine ------------------------------------------------
+def client_seed(sampling_seed: int, round_index: int, cid: int) -> int:
+    """The seed of torch's generator during client ``cid``'s work in round ``round_index``."""
+    words = np.random.SeedSequence([sampling_seed, round_index, cid, 0xC11E]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def _devices(task: ClientTask) -> list:
+    device = task.data.x.device if task.data is not None else torch.device("cpu")
+    return [device] if device.type == "cuda" else []
+
+
+@contextmanager
+def client_rng(task: ClientTask, state: dict[str, torch.Tensor] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Torch's global generators, for the block, in the client's own stream: seeded from (sampling
+    seed, round, cid), or continued from ``state`` (a session between two calls); the yielded dict
+    holds the stream's state after the block. The caller's streams are untouched."""
+    devices = _devices(task)
+    after: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=devices):
+        if state is None:
+            torch.manual_seed(client_seed(task.context.sampling_seed, task.round_index, task.cid))
+        else:
+            torch.set_rng_state(state["cpu"])
+            if devices and "cuda" in state:
+                torch.cuda.set_rng_state(state["cuda"], devices[0])
+        yield after
+        after["cpu"] = torch.get_rng_state()
+        if devices:
+            after["cuda"] = torch.cuda.get_rng_state(devices[0])
+
+
+def copy_tensors(value: Any) -> Any:
+    """``value`` with every tensor in it (nested containers and dataclasses) replaced by a copy."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copy_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_tensors(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: copy_tensors(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def isolated(task: ClientTask) -> ClientTask:
+    """The task with its own copies of what it shares with the server (the global weights, the
+    strategy's payload, the store's state, the round context); its data is already its own."""
+    return dataclasses.replace(task, context=copy_tensors(task.context), weights=copy_tensors(task.weights),
+                               state=copy_tensors(task.state), payload=copy_tensors(task.payload))
+
+
+def run_client(algorithm: Any, task: ClientTask) -> ClientResult:
+    """A participant's one-call work, as every engine runs it: in the client's own random stream."""
+    with client_rng(task):
+        return algorithm.client_work(task)
+
+
+class SeededSession:
+    """A split-learning session whose every call runs in the client's own random stream, carried
+    from call to call (and through ``state_dict`` when an engine suspends the session)."""
+
+    def __init__(self, algorithm: Any, task: ClientTask) -> None:
+        self.task = task
+        with client_rng(task) as after:
+            self.session = algorithm.open_session(task)
+        self.rng = dict(after)
+
+    def _run(self, method: str, *args: Any) -> Any:
+        with client_rng(self.task, self.rng) as after:
+            out = getattr(self.session, method)(*args)
+        self.rng = dict(after)
+        return out
+
+    def forward(self) -> Upload:
+        return self._run("forward")
+
+    def backward(self, grad: torch.Tensor | None) -> None:
+        self._run("backward", grad)
+
+    def finish(self) -> ClientResult:
+        return self._run("finish")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"session": self.session.state_dict(), "rng": self.rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng = dict(state["rng"])
+        with client_rng(self.task, self.rng) as after:
+            self.session.load_state_dict(state["session"])
+        self.rng = dict(after)
+
+
+class LocalSessions:
+    """The round's sessions in this process, one after another."""
+
+    def __init__(self, algorithm: Any, tasks: Sequence[ClientTask]) -> None:
+        self.sessions = [SeededSession(algorithm, isolated(t)) for t in tasks]
+
+    def forward(self) -> list[Upload]:
+        return [s.forward() for s in self.sessions]
+
+    def backward(self, grads: list[torch.Tensor | None]) -> None:
+        for s, g in zip(self.sessions, grads):
+            s.backward(g)
+
+    def finish(self) -> list[ClientResult]:
+        return [s.finish() for s in self.sessions]
+
+
+class LocalRunner:
+    """The local engine's runner: every participant in this process, one after another, each on
+    its own copies of what it received."""
+
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]:
+        return [run_client(algorithm, isolated(t)) for t in tasks]
+
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
+        return LocalSessions(algorithm, tasks)
 
 
 class ClientStates:

@@ -5,11 +5,18 @@ A session owns one participant's replica of the client part for one round — it
 optimiser and its minibatch stream — and nothing else; what it needs arrives in its ClientTask,
 and what the server needs leaves in its uploads. The local engine calls these methods directly;
 the Flower engine turns each call into a message.
+
+Client sessions are registered components (``REGISTRY``, entry-point group
+``fedlt.split_clients``), chosen by spec in a split algorithm's ``client`` parameter. The
+registered object is a *kind* of session: ``open(task, module)`` starts one participant's
+session, ``client_side(client, ctx)`` is the module clients train (the client part, or it plus an
+auxiliary head), ``trained_by_server`` says whether the server sends activation gradients back,
+and ``keeps_part`` whether each client keeps its own part between rounds (SplitFed V3) instead of
+receiving the averaged one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,35 +24,28 @@ from torch import nn
 from torch.func import functional_call
 
 import fedlt.losses
-from fedlt.algorithms.base import LocalSchedule, client_generator, objective_seed, raise_first_non_finite
-from fedlt.algorithms.protocol import ClientResult, ClientTask, State
+from fedlt.algorithms.base import (LocalSchedule, RunContext, build_objective, client_generator,
+                                   raise_first_non_finite)
+from fedlt.algorithms.protocol import ClientResult, ClientTask, State, Upload
 from fedlt.models import eval_mode
-
-
-@dataclass
-class Upload:
-    """What a client sends the server in one local iteration: its activations (no graph), their
-    labels, and — when the client's loss distils from the global model — the received global
-    client part's activations on the same inputs (the server finishes the teacher's forward)."""
-
-    activations: torch.Tensor
-    labels: torch.Tensor
-    teacher_activations: torch.Tensor | None = None
+from fedlt.registry import Registry
 
 
 def client_objective(task: ClientTask, anchors: State):
     """Client k's loss for this round, built once, its persistent state restored: its prior from
     its class counts, its weight terms (FedProx) anchored at ``anchors`` (its own round-start
-    weights), Fed-GraB's DPA prior from the received global classifier (``payload``)."""
-    objective = fedlt.losses.build(
-        task.objective, class_counts=task.data.class_counts, num_classes=task.num_classes,
-        classifier_weight=task.payload.get("classifier_weight"), global_params=list(anchors.values()),
-        global_counts=task.payload.get("global_counts"),
-        seed=objective_seed(task.seed, task.cid), fused=task.fused,
-    )
-    if task.state.get("loss"):
-        objective.load_state_dict(task.state["loss"])
-    return objective
+    weights), Fed-GraB's DPA prior from the round's global classifier."""
+    return build_objective(task.objective, task.context, task.cid, task.data.class_counts, list(anchors.values()),
+                           task.state.get("loss"))
+
+
+def side_state(objective, weight_space: bool) -> dict[str, Any]:
+    """The state of the objective's terms that run on one side: the weight-space terms (on the
+    client, where the weights are) or the others (where the logits are); the two halves together
+    are the objective's whole state."""
+    labels = {label for label, (w, t) in zip(objective.labels, objective.terms)
+              if bool(w != 0 and t.needs_params) == weight_space}
+    return {k: v for k, v in objective.state_dict().items() if k.partition(".")[0] in labels}
 
 
 def split_terms(objective) -> tuple[Any, Any]:
@@ -138,10 +138,10 @@ class ActivationClient:
         start = task.state.get("client_model", task.weights)
         self.replica = Replica(module, start, task.schedule)
         self.keeps_part = "client_model" in task.state
-        objective = client_objective(task, {n: start[n] for n in self.replica.params})
-        self.teacher = bool(task.payload.get("send_teacher")) or objective.needs_teacher
-        _, self.weight_terms = split_terms(objective)
-        self.batches = task.schedule.batches(len(task.data), client_generator(task.seed, task.round_index, task.cid))
+        self.objective = client_objective(task, {n: start[n] for n in self.replica.params})
+        self.teacher = bool(task.payload.get("send_teacher")) or self.objective.needs_teacher
+        _, self.weight_terms = split_terms(self.objective)
+        self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
         self.pending: torch.Tensor | None = None
         self.pending_idx: torch.Tensor | None = None
         self.drawn = 0
@@ -169,7 +169,7 @@ class ActivationClient:
         in the node's context between messages): the replica and its optimiser, how many batches
         were drawn, and the pending forward's batch (a graph does not serialise: it is recomputed)."""
         return {"replica": self.replica.state(), "optimiser": self.replica.optimiser.state_dict(),
-                "drawn": self.drawn, "pending_idx": self.pending_idx}
+                "drawn": self.drawn, "pending_idx": self.pending_idx, "loss": self.objective.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a suspended session: the same weights, momentum and batch stream; a pending
@@ -177,6 +177,8 @@ class ActivationClient:
         self.replica.load(state["replica"], state["optimiser"])
         skip(self.batches, state["drawn"])
         self.drawn, self.pending_idx = state["drawn"], state["pending_idx"]
+        if state["loss"]:
+            self.objective.load_state_dict(state["loss"])
         if self.pending_idx is not None:
             moved = {n: b.clone() for n, b in self.replica.buffers.items()}
             self.pending = self.replica(self.task.data.x[self.pending_idx])
@@ -187,7 +189,10 @@ class ActivationClient:
     def finish(self) -> ClientResult:
         weights = self.replica.state()
         state = {"client_model": weights} if self.keeps_part else {}  # the replica is discarded; V3 keeps it
-        return ClientResult(self.task.cid, weights, len(self.task.data), state)
+        loss_state = side_state(self.objective, weight_space=True)  # the server returns the logit terms' state
+        if loss_state:
+            state["loss"] = loss_state
+        return ClientResult(self.task.cid, weights, len(self.task.data), self.drawn, state=state)
 
 
 class LocalLossClient:
@@ -198,7 +203,7 @@ class LocalLossClient:
         self.task = task
         self.replica = Replica(module, task.weights, task.schedule)
         self.objective = client_objective(task, {n: task.weights[n] for n in self.replica.params})
-        self.batches = task.schedule.batches(len(task.data), client_generator(task.seed, task.round_index, task.cid))
+        self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
         self.losses: list[torch.Tensor] = []
         self.drawn = 0
 
@@ -237,7 +242,58 @@ class LocalLossClient:
             self.objective.load_state_dict(state["loss"])
 
     def finish(self) -> ClientResult:
-        raise_first_non_finite(torch.stack(self.losses), f"client {self.task.cid}, client loss {self.task.objective!r}",
-                               "local iteration")
+        losses = torch.stack(self.losses)
+        raise_first_non_finite(losses, f"client {self.task.cid}, client loss {self.task.objective!r}", "local iteration")
         state = {"loss": self.objective.state_dict()} if self.objective.state_dict() else {}
-        return ClientResult(self.task.cid, self.replica.state(), len(self.task.data), state)
+        return ClientResult(self.task.cid, self.replica.state(), len(self.task.data), self.drawn,
+                            float(losses.double().mean()), state)
+
+
+# -- the registered kinds of session ------------------------------------------------------------------
+def _session_kind_check(obj: Any) -> str | None:
+    missing = [m for m in ("open", "client_side") if not callable(getattr(obj, m, None))]
+    missing += [a for a in ("trained_by_server", "keeps_part") if not hasattr(obj, a)]
+    return f"{type(obj).__name__} lacks {', '.join(missing)} (see fedlt.algorithms.split_client)" if missing else None
+
+
+REGISTRY: Registry = Registry("split_client", product=_session_kind_check)
+
+
+class Activation:
+    """SCALA / SplitFed: clients upload activations and get the gradient of their loss w.r.t.
+    them back from the server. ``keep_part``: each client keeps its own client part between
+    rounds (SplitFed V3; a newcomer starts from the initial part) instead of receiving the
+    average; the average is then the global model's client part, for evaluation only."""
+
+    trained_by_server = True
+
+    def __init__(self, keep_part: bool = False) -> None:
+        if not isinstance(keep_part, bool):
+            raise TypeError(f"keep_part must be true or false, got {keep_part!r}")
+        self.keeps_part = keep_part
+
+    def client_side(self, client: nn.Module, ctx: RunContext) -> nn.Module:
+        return client
+
+    def open(self, task: ClientTask, module: nn.Module) -> ActivationClient:
+        return ActivationClient(task, module)
+
+
+class LocalLoss:
+    """SFL-LocalLoss: clients train their layers through an auxiliary linear head with their own
+    loss and upload activations; the server sends no gradient back."""
+
+    trained_by_server = False
+    keeps_part = False
+
+    def client_side(self, client: nn.Module, ctx: RunContext) -> nn.Module:
+        with torch.no_grad(), eval_mode(client):  # a probe must not move BatchNorm statistics
+            numel = client(torch.zeros(1, *ctx.input_shape, device=ctx.device))[0].numel()
+        return ClientWithHead(client, numel, ctx.num_classes).to(ctx.device)
+
+    def open(self, task: ClientTask, module: nn.Module) -> LocalLossClient:
+        return LocalLossClient(task, module)
+
+
+REGISTRY.register("activation")(Activation)
+REGISTRY.register("local_loss")(LocalLoss)

@@ -1,6 +1,10 @@
 """The server side of split learning (SPEC §3): ``step(uploads) -> activation gradients``.
 
-Three classes differ only in how the server model meets the participants' activations:
+Server sides are registered components (``REGISTRY``, entry-point group
+``fedlt.split_servers``), chosen by spec in a split algorithm's ``server`` parameter: created
+from their own parameters, then ``bind``-ed to the run (the server part, the run context, the
+server loss). Three built-ins differ only in how the server model meets the participants'
+activations:
 
 - ``ConcatServer`` (SCALA): one server model, ONE forward of all participants' concatenated
   activations per local iteration; from those logits the server loss (prior P_s of the batch, or
@@ -29,10 +33,22 @@ from torch.func import functional_call
 import fedlt.aggregators
 import fedlt.losses
 import fedlt.losses.fused
-from fedlt.algorithms.base import RunContext, objective_seed, raise_first_non_finite
-from fedlt.algorithms.protocol import ClientTask
-from fedlt.algorithms.split_client import Replica, Upload, client_objective, split_terms
+from fedlt.algorithms.base import RunContext, build_objective, raise_first_non_finite
+from fedlt.algorithms.protocol import ClientTask, Upload
+from fedlt.algorithms.split_client import Replica, client_objective, side_state, split_terms
+from fedlt.context import RoundContext
 from fedlt.models import eval_mode
+from fedlt.registry import Registry
+
+
+def _server_side_check(obj: Any) -> str | None:
+    missing = [m for m in ("bind", "begin_round", "step", "end_round", "state_dict", "load_state_dict")
+               if not callable(getattr(obj, m, None))]
+    return f"{type(obj).__name__} lacks {', '.join(missing)} (see fedlt.algorithms.split_server.ServerSide)" \
+        if missing else None
+
+
+REGISTRY: Registry = Registry("split_server", product=_server_side_check)
 
 
 class PersistentServer:
@@ -56,11 +72,15 @@ class ServerSide:
 
     ``begin_round`` builds the round's objectives once (each participant's logit-space loss,
     the server's loss expression parsed once per run); ``step`` runs one local iteration;
-    ``end_round`` returns each participant's new loss state and the round's metrics.
+    ``end_round`` returns each participant's new loss state (of the terms evaluated here) and
+    the round's metrics. A plugin's server side subclasses this (or any built-in) and overrides
+    ``groups`` / ``round_servers`` / ``end_round``.
     """
 
-    def __init__(self, module: nn.Module, ctx: RunContext, server_loss: str, server_prior: str,
-                 clients_send_gradients: bool) -> None:
+    def bind(self, module: nn.Module, ctx: RunContext, server_loss: str, server_prior: str,
+             clients_send_gradients: bool) -> None:
+        """Attach to the run: the server part (trained in place), the run context, the server's
+        loss expression and prior (SPEC §3), and whether clients need activation gradients back."""
         self.module, self.ctx = module, ctx
         self.server_loss, self.server_prior = server_loss, server_prior
         self.trains_clients = clients_send_gradients  # False: local-loss clients need no gradient back
@@ -70,10 +90,9 @@ class ServerSide:
         self.param_names = [n for n, _ in module.named_parameters()]
 
     # -- the round -------------------------------------------------------------------------------
-    def begin_round(self, tasks: Sequence[ClientTask]) -> None:
-        self.tasks = list(tasks)
+    def begin_round(self, round: RoundContext, tasks: Sequence[ClientTask]) -> None:
+        self.round, self.tasks = round, list(tasks)
         self.start = {n: t.detach().clone() for n, t in self.module.state_dict().items()}
-        self.classifier_weight = tasks[0].payload.get("classifier_weight") if tasks else None
         self.participants_counts = torch.stack([t.data.class_counts for t in tasks]).sum(0)
         self.client_objectives = []
         if self.trains_clients:
@@ -108,22 +127,16 @@ class ServerSide:
             if values:
                 raise_first_non_finite(torch.stack(values), f"client {task.cid}, client loss {task.objective!r}",
                                        "local iteration")
-        states = {task.cid: full.state_dict() for task, (full, _) in zip(self.tasks, self.client_objectives)}
+        states = {task.cid: side_state(full, weight_space=False)
+                  for task, (full, _) in zip(self.tasks, self.client_objectives)}
         return states, {"train_loss": float(losses.double().mean())}
 
     # -- one server forward ----------------------------------------------------------------------
     def server_objective(self, labels: torch.Tensor):
         counts = (torch.bincount(labels, minlength=self.ctx.num_classes) if self.server_prior == "batch"
                   else self.participants_counts)
-        objective = fedlt.losses.build(
-            self.server_terms, class_counts=counts, num_classes=self.ctx.num_classes,
-            classifier_weight=self.classifier_weight, global_params=[self.start[n] for n in self.param_names],
-            global_counts=self.ctx.global_counts,
-            seed=objective_seed(self.ctx.sampling_seed, -1), fused=self.ctx.fused,
-        )
-        if self.loss_state:
-            objective.load_state_dict(self.loss_state)
-        return objective
+        return build_objective(self.server_terms, self.round, -1, counts,
+                               [self.start[n] for n in self.param_names], self.loss_state)
 
     def teacher(self, activations: torch.Tensor) -> torch.Tensor:
         """The received global model's logits: the server part at round start on the teacher
@@ -234,5 +247,6 @@ class CopiesServer(ServerSide):
         return super().end_round()
 
 
-SERVER_SIDES: dict[str, type[ServerSide]] = {"concat": ConcatServer, "sequential": SequentialServer,
-                                             "copies": CopiesServer}
+REGISTRY.register("concat")(ConcatServer)
+REGISTRY.register("sequential")(SequentialServer)
+REGISTRY.register("copies")(CopiesServer)

@@ -17,11 +17,11 @@ expression as their local objective (``--algo scaffold --loss fedlc``) and any p
 Per-client state lives in the engine's ``ClientStates`` (checkpointed); per-server state in the
 strategy's ``state_dict``. The representation of MOON and FedDecorr is the input of the model's
 classifier (``fedlt.models.classifier``), read by a forward pre-hook: see ``features_of``.
-The split engine does not take these algorithms (its client work is a session, not one call).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,18 +34,14 @@ from torch import nn
 from torch.func import functional_call
 
 from fedlt.algorithms import preset, register
-from fedlt.algorithms.base import AggregatorSpec, RunContext, build_aggregator
-from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy
+from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator
+from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy, trainable_names
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State
+from fedlt.context import RoundContext
 from fedlt.models import classifier, eval_mode
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-
-def trainable_names(model: nn.Module) -> list[str]:
-    """Names of the trainable parameters, in the order of ``[p for p in model.parameters() if p.requires_grad]``."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _zeros(weights: State, names: Sequence[str]) -> State:
@@ -67,8 +63,8 @@ class ControlStrategy(Strategy):
         super().__init__(model, aggregator, ctx, objective)
         self.server: State = _zeros(model.state_dict(), self.trainable)
 
-    def num_clients(self, results: Sequence[ClientResult]) -> int:
-        return self.ctx.num_clients or len(results)
+    def num_clients(self, round: RoundContext) -> int:
+        return round.num_clients
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {"server": {n: t.clone() for n, t in self.server.items()}}
@@ -104,6 +100,9 @@ class ScaffoldUpdate(ClientUpdate):
         # by that factor, which the corrected steps then feed back (diverges at ρ = 0.9)
         scale = 1.0 / (effective_steps(steps, task.schedule.momentum) * task.schedule.lr)
         new = {n: c_i[n] - c[n] + (task.weights[n] - p.detach()) * scale for n, p in zip(names, params)}
+        if not all(bool(torch.isfinite(t).all()) for t in new.values()):
+            raise NonFiniteLoss(f"SCAFFOLD's control variate of client {task.cid} is not finite (its step "
+                                f"(x - y)/(K·lr) overflows at lr={task.schedule.lr:g}, K={steps})")
         return {"c": new}, {"delta_c": {n: new[n] - c_i[n] for n in names}}
 
 
@@ -111,12 +110,12 @@ class ScaffoldStrategy(ControlStrategy):
     """Sends the server control variate c to every participant; x ← aggregate(y_i) (η_g = 1);
     c ← c + (1/N)·Σ_{i∈S} Δc_i with N all clients."""
 
-    def payload(self, round_index: int) -> dict[str, Any]:
+    def payload(self, round: RoundContext) -> dict[str, Any]:
         return {"c": self.server}
 
-    def aggregate(self, round_index: int, results: Sequence[ClientResult]) -> dict[str, float]:
-        metrics = super().aggregate(round_index, results)
-        n = self.num_clients(results)
+    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
+        metrics = super().aggregate(round, results)
+        n = self.num_clients(round)
         for name, c in self.server.items():
             total = torch.zeros_like(c, dtype=torch.float64)
             for r in sorted(results, key=lambda r: r.cid):
@@ -170,12 +169,12 @@ class FedDynStrategy(ControlStrategy):
         super().__init__(model, aggregator, ctx, objective)
         self.alpha = alpha
 
-    def aggregate(self, round_index: int, results: Sequence[ClientResult]) -> dict[str, float]:
+    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
         previous = {n: self.model.state_dict()[n].clone() for n in self.trainable}
-        metrics = super().aggregate(round_index, results)
+        metrics = super().aggregate(round, results)
         if self.alpha == 0:  # h stays 0: the average itself
             return metrics
-        n = self.num_clients(results)
+        n = self.num_clients(round)
         new = self.model.state_dict()
         for name, h in self.server.items():
             x = previous[name].double()
@@ -237,16 +236,17 @@ class MoonUpdate(ClientUpdate):
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return task.weights, task.state.get("previous") or task.weights
 
-    def loss(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
-             extra: dict[str, Any]) -> torch.Tensor:
+    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         received, previous = local
         with features_of(model) as seen:
-            value = super().loss(local, model, objective, x, y, extra)
+            parts = super().parts(local, model, objective, x, y, extra)
             with torch.no_grad(), eval_mode(model):  # the two reference models as evaluated
                 functional_call(model, received, (x,))
                 functional_call(model, previous, (x,))
         z, z_global, z_previous = seen
-        return value + self.mu * contrastive_loss(z, z_global, z_previous, self.temperature)
+        contrastive = contrastive_loss(z, z_global, z_previous, self.temperature)
+        return parts | {f"MOON's contrastive term (mu={self.mu:g}, temperature={self.temperature:g})": self.mu * contrastive}
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -284,11 +284,11 @@ def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 class DecorrUpdate(ClientUpdate):
     beta: float
 
-    def loss(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
-             extra: dict[str, Any]) -> torch.Tensor:
+    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         with features_of(model) as seen:
-            value = super().loss(local, model, objective, x, y, extra)
-        return value + self.beta * decorrelation_loss(seen[0])
+            parts = super().parts(local, model, objective, x, y, extra)
+        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(seen[0])}
 
 
 class FedDecorr(FedAvgFamily):
@@ -310,8 +310,8 @@ class SamUpdate(ClientUpdate):
     rho: float
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
-                 y: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
-        loss = super().backward(local, model, params, objective, x, y, extra)
+                 y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        parts = super().backward(local, model, params, objective, x, y, extra)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         scale = self.rho / (torch.linalg.vector_norm(torch.stack([g.norm(2) for g in grads])) + 1e-12)
         with torch.no_grad():
@@ -320,11 +320,11 @@ class SamUpdate(ClientUpdate):
                 p.add_(e)
         for p in params:
             p.grad = None
-        self.loss(local, model, objective, x, y, extra).backward()
+        sum(self.parts(local, model, objective, x, y, extra).values()).backward()
         with torch.no_grad():
             for p, e in zip(params, ascent):
                 p.sub_(e)
-        return loss
+        return parts
 
 
 class FedSAM(FedAvgFamily):
@@ -352,8 +352,8 @@ class NovaStrategy(Strategy):
     """x ← x + τ_eff·Σ_i p_i·(y_i − x)/a_i with p_i = |D_i|/Σ|D_j| and τ_eff = Σ_i p_i·a_i: each
     update is rescaled to τ_eff/a_i of itself, then aggregated (``fedavg``'s p_i by default)."""
 
-    def aggregate(self, round_index: int, results: Sequence[ClientResult]) -> dict[str, float]:
-        steps = [effective_steps(int(r.metrics["steps"]), self.ctx.momentum) for r in results]
+    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
+        steps = [effective_steps(r.steps, self.ctx.momentum) for r in results]
         sizes = [float(r.num_samples) for r in results]
         tau_eff = sum(n * a for n, a in zip(sizes, steps)) / sum(sizes)
         x = self.model.state_dict()
@@ -363,8 +363,8 @@ class NovaStrategy(Strategy):
             weights = r.weights if ratio == 1.0 else r.weights | {
                 n: (x[n].double() + ratio * (r.weights[n].double() - x[n].double())).to(x[n].dtype)
                 for n in self.trainable}
-            rescaled.append(ClientResult(r.cid, weights, r.num_samples, r.state, r.metrics, r.extras))
-        metrics = super().aggregate(round_index, rescaled)
+            rescaled.append(dataclasses.replace(r, weights=weights))
+        metrics = super().aggregate(round, rescaled)
         return metrics | {"tau_eff": tau_eff}
 
 

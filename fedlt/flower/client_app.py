@@ -7,15 +7,18 @@ directory's ``partition.npz``: the same file when server and nodes share a disk)
 dataset and model from the run's configuration (sent with every message, ~1 kB) and caches them
 for the life of the process.
 
-Message types:
+Message types (the server side chose one by what the algorithm asked its runner for, never by
+the algorithm's class):
 - ``query.partition``: which partition this node holds.
-- ``train``: one FedAvg-family round (the algorithm's client function on the received task).
-- ``train.step``: one exchange of a split-learning round. The first carries the task and
-  returns the first upload; each next one carries the activation gradients of the previous
-  upload (the session's ``backward``) and returns the next upload (``forward``), or, when
-  ``finish`` is set, the trained client part (``finish``). Between messages the session —
-  the replica's weights, its optimiser's momentum, how far its batch stream has gone — is kept
-  in the node's ``context.state``, never sent.
+- ``train``: one-call client work (the algorithm's ``client_work`` on the received task).
+- ``train.step``: one exchange of a split-learning session (the algorithm's ``open_session``).
+  The first carries the task and returns the first upload; each next one carries the activation
+  gradient of the previous upload (the session's ``backward``) and returns the next upload
+  (``forward``), or, when ``finish`` is set, the result (``finish``). Between messages the
+  session — the replica's weights, its optimiser's momentum, how far its batch stream and its
+  random stream have gone — is kept in the node's ``context.state``, never sent.
+
+Both run the client in its own random stream (``fedlt.algorithms.protocol``), as the local engine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlt.algorithms.base import ClientData
+from fedlt.algorithms.protocol import SeededSession, run_client
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError
 from fedlt.flower import codec
@@ -74,40 +78,44 @@ def partition(message: Message, context: Context) -> Message:
 def train(message: Message, context: Context) -> Message:
     content = message.content
     prep = prepared(content["run"], context)
-    cid = int(content["task"]["cid"])
-    task = codec.task_from(content, client_data(prep, cid, context), prep.config.device)
-    result = prep.algorithm.client_fn()(task, prep.algorithm.global_model())  # the node's model as work module
-    return Message(codec.result_content(result), reply_to=message)
+    task = codec.task_from(content, client_data(prep, _cid(content), context), prep.config.device)
+    return Message(codec.content(run_client(prep.algorithm, task), f"result of client {task.cid}"), reply_to=message)
 
 
-SESSION_KEYS = ("weights", "task")  # the open task, kept on the node for the round
+def _cid(content: RecordDict) -> int:
+    return int(content["client"]["cid"])
+
+
+OPEN = ("arrays", "tree", "client")  # the records of the open task, kept on the node for the round
+SESSION = ("session.arrays", "session.tree")
 
 
 @app.train("step")
 def step(message: Message, context: Context) -> Message:
     content, kept = message.content, context.state
     prep = prepared(content["run"], context)
-    opening = "task" in content
+    opening = "tree" in content
     if opening:
-        for key in SESSION_KEYS:
+        for key in OPEN:
             kept[f"fedlt.{key}"] = content[key]
-    elif "fedlt.task" not in kept:
+    elif "fedlt.tree" not in kept:
         raise FedltError("a split-learning step reached a node with no open session")
-    task_records = RecordDict({key: kept[f"fedlt.{key}"] for key in SESSION_KEYS})
-    cid = int(task_records["task"]["cid"])
-    task = codec.task_from(task_records, client_data(prep, cid, context), prep.config.device)
-    session, = prep.algorithm.open_sessions([task]).sessions
+    opened = RecordDict({key: kept[f"fedlt.{key}"] for key in OPEN})
+    device = prep.config.device
+    task = codec.task_from(opened, client_data(prep, _cid(opened), context), device)
+    session = SeededSession(prep.algorithm, task)
     if not opening:
-        session.load_state_dict(codec.unpack(kept["fedlt.session"]["blob"]))
+        session.load_state_dict(codec.value(RecordDict({k.partition(".")[2]: kept[f"fedlt.{k}"] for k in SESSION}),
+                                            device))
     order = content["step"]
-    if order["has_grad"]:
-        session.backward(codec.tensors(content["grad"], prep.config.device)["grad"])
-    elif not opening:
-        session.backward(None)
+    if not opening:
+        grad = codec.value(RecordDict({"arrays": content["grad.arrays"], "tree": content["grad.tree"]}), device)
+        session.backward(grad)
     if order["finish"]:
-        for key in (*SESSION_KEYS, "session"):
+        for key in (*OPEN, *SESSION):
             del kept[f"fedlt.{key}"]
-        return Message(codec.result_content(session.finish()), reply_to=message)
-    reply = codec.upload_content(session.forward())
-    kept["fedlt.session"] = ConfigRecord({"blob": codec.pack(session.state_dict())})
+        return Message(codec.content(session.finish(), f"result of client {task.cid}"), reply_to=message)
+    reply = codec.content(session.forward(), f"upload of client {task.cid}")
+    for key, record in codec.records(session.state_dict(), f"session of client {task.cid}").items():
+        kept[f"fedlt.session.{key}"] = record
     return Message(reply, reply_to=message)

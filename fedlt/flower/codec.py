@@ -1,83 +1,43 @@
-"""What crosses the wire, as Flower records: tasks (without their data: the node has it),
-results, uploads and activation gradients.
-
-Weights, activations, labels and gradients go in ``ArrayRecord``s (numpy ``.npy`` bytes, exact
-for every dtype); a task's settings in a ``ConfigRecord``; its small nested parts (the client's
-persistent state, the strategy's payload) as one ``torch.save`` blob, read back with
-``weights_only=True`` (plain containers and tensors only, nothing executable).
+"""Flower records from the lossless wire format (``fedlt.wire``): any value — a task without its
+data (the node has it), a result, an upload, activation gradients, a suspended session — as one
+``ArrayRecord`` of raw tensor bytes beside one ``ConfigRecord`` holding the value's structure as
+JSON. No field is named here, so nothing a strategy or a session adds can be dropped.
 """
 
 from __future__ import annotations
 
-import io
-from dataclasses import asdict
+import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedlt.algorithms.base import ClientData, LocalSchedule
-from fedlt.algorithms.protocol import ClientResult, ClientTask, State
-from fedlt.algorithms.split_client import Upload
-
-
-def pack(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+from fedlt import wire
+from fedlt.algorithms.base import ClientData
+from fedlt.algorithms.protocol import ClientTask
 
 
-def unpack(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=True)
+def records(value: Any, name: str = "value") -> dict[str, Any]:
+    """``value`` as the two records that carry it (merge them into a message's RecordDict)."""
+    text, arrays = wire.encode(value, name)
+    return {"arrays": ArrayRecord([a.numpy() for a in arrays]), "tree": ConfigRecord({"json": text})}
 
 
-def arrays(tensors: State) -> ArrayRecord:
-    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+def content(value: Any, name: str = "value") -> RecordDict:
+    return RecordDict(records(value, name))
 
 
-def tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> State:
-    return {k: v.to(device) for k, v in record.to_torch_state_dict().items()}
+def value(content: RecordDict, device: torch.device | str = "cpu") -> Any:
+    """The value ``records`` / ``content`` carried."""
+    flat = [torch.from_numpy(np.array(a, copy=True)) for a in content["arrays"].to_numpy_ndarrays()]
+    return wire.decode(str(content["tree"]["json"]), flat, device)
 
 
 def task_content(task: ClientTask) -> RecordDict:
-    """A task as message content: everything but its data (and its model spec: the node builds
-    the run's model from the run's configuration)."""
-    settings = {"cid": task.cid, "round_index": task.round_index, "objective": task.objective, "seed": task.seed,
-                "num_classes": task.num_classes, "fused": task.fused}
-    nested = {"state": task.state, "payload": task.payload, "schedule": asdict(task.schedule)}
-    return RecordDict({"weights": arrays(task.weights),
-                       "task": ConfigRecord({**settings, "nested": pack(nested)})})
+    """A task as message content: every field but its data (the node holds its own)."""
+    return content(dataclasses.replace(task, data=None), f"task of client {task.cid}")
 
 
 def task_from(content: RecordDict, data: ClientData, device: torch.device | str = "cpu") -> ClientTask:
-    settings = dict(content["task"])
-    nested = unpack(settings.pop("nested"))
-    return ClientTask(settings["cid"], settings["round_index"], tensors(content["weights"], device), data,
-                      nested["state"], LocalSchedule(**nested["schedule"]), settings["objective"], settings["seed"],
-                      settings["num_classes"], fused=settings["fused"], payload=nested["payload"])
-
-
-def result_content(result: ClientResult) -> RecordDict:
-    return RecordDict({"weights": arrays(result.weights),
-                       "result": ConfigRecord({"cid": result.cid, "num_samples": result.num_samples,
-                                               "state": pack(result.state)}),
-                       "metrics": MetricRecord(dict(result.metrics))})
-
-
-def result_from(content: RecordDict, device: torch.device | str = "cpu") -> ClientResult:
-    info = content["result"]
-    metrics = dict(content["metrics"])
-    return ClientResult(int(info["cid"]), tensors(content["weights"], device), int(info["num_samples"]),
-                        unpack(info["state"]), metrics)
-
-
-def upload_content(upload: Upload) -> RecordDict:
-    parts = {"activations": upload.activations, "labels": upload.labels}
-    if upload.teacher_activations is not None:
-        parts["teacher_activations"] = upload.teacher_activations
-    return RecordDict({"upload": arrays(parts)})
-
-
-def upload_from(content: RecordDict, device: torch.device | str = "cpu") -> Upload:
-    parts = tensors(content["upload"], device)
-    return Upload(parts["activations"], parts["labels"], parts.get("teacher_activations"))
+    return dataclasses.replace(value(content, device), data=data)

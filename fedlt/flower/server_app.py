@@ -1,7 +1,8 @@
 """The ServerApp: fedlt's own run loop (fedlt.engine.run) with each round's client work sent
-as Flower messages through the Grid. The algorithm's round logic is not repeated here: a
-FedAvg-family round is ``Federated.train_round(..., execute=rounds.execute)``, a split round
-``SplitLearning.train_round(..., open_sessions=rounds.open_sessions)``.
+as Flower messages through the Grid. The algorithm's round logic is not repeated here: the loop
+calls ``algorithm.train_round(..., runner)`` with ``FlowerRounds`` as the runner, and the
+algorithm asks it for one-call work (``call``: one ``train`` message per participant) or for
+sessions (``exchange``: ``train.step`` messages), whatever its class.
 
 Deployed (``flwr run``), the app reads its run from the run config: ``config`` (a fedlt config
 file on the server machine, TOML / YAML / JSON, as ``fedlt run --config``), optional ``resume``
@@ -17,14 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.fedavg_family import Federated
-from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask
-from fedlt.algorithms.split import SplitLearning
-from fedlt.algorithms.split_client import Upload
+from fedlt.algorithms.protocol import ClientResult, ClientTask, Upload
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError
 from fedlt.flower import codec
@@ -34,8 +31,8 @@ REPLY_WAIT_S = 3600.0  # how long one exchange may take (a round's local trainin
 
 
 class FlowerRounds:
-    """Sends a round's tasks to the nodes holding the participants' partitions and collects the
-    replies; ``train_round`` is what fedlt.engine.run calls each round."""
+    """A ClientRunner (fedlt.algorithms.protocol) that sends a round's tasks to the nodes holding
+    the participants' partitions and collects the replies."""
 
     def __init__(self, grid: Grid, config: RunConfig, node_wait: float = NODE_WAIT_S,
                  reply_wait: float = REPLY_WAIT_S) -> None:
@@ -44,25 +41,22 @@ class FlowerRounds:
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
         self._nodes: dict[int, int] | None = None  # cid -> node id
+        self.round_index = 0
         self.exchanges = 0  # round trips made (one message per participant each)
         self.exchange_s: list[float] = []  # wall time of each, send to last reply (benchmarks read it)
 
-    # -- the engine's hook -------------------------------------------------------------------------
-    def train_round(self, algorithm: Any, round_index: int, clients: list[ClientData],
-                    states: ClientStates) -> dict[str, float]:
-        self.round_index = round_index
-        if isinstance(algorithm, SplitLearning):
-            return algorithm.train_round(round_index, clients, states, open_sessions=self.open_sessions)
-        if isinstance(algorithm, Federated):
-            return algorithm.train_round(round_index, clients, states, execute=self.execute)
-        raise FedltError(f"{type(algorithm).__name__} does not run on Flower: fedlt sends the client work of "
-                         "Federated (one call per round) and SplitLearning (sessions) algorithms")
+    # -- the runner ------------------------------------------------------------------------------
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]:
+        self.round_index = tasks[0].round_index if tasks else self.round_index
+        contents = []
+        for t in tasks:
+            content = codec.task_content(t)
+            content["client"] = ConfigRecord({"cid": t.cid})
+            contents.append((t.cid, content))
+        return [codec.value(r, self.device) for r in self.send("train", contents)]
 
-    def execute(self, tasks: list[ClientTask]) -> list[ClientResult]:
-        replies = self.exchange("train", [(t.cid, codec.task_content(t)) for t in tasks])
-        return [codec.result_from(r, self.device) for r in replies]
-
-    def open_sessions(self, tasks: Sequence[ClientTask]) -> "FlowerSessions":
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "FlowerSessions":
+        self.round_index = tasks[0].round_index if tasks else self.round_index
         return FlowerSessions(self, list(tasks))
 
     # -- messages --------------------------------------------------------------------------------
@@ -75,7 +69,7 @@ class FlowerRounds:
                 time.sleep(0.5)
                 ids = list(self.grid.get_node_ids())
             asked = [Message(RecordDict(), node, "query.partition") for node in ids]
-            replies = self._send(asked, "asking the SuperNodes for their partitions")
+            replies = self._deliver(asked, "asking the SuperNodes for their partitions")
             self._nodes = {int(r.content["node"]["partition_id"]): r.metadata.src_node_id for r in replies}
             missing = sorted(set(range(self.config.clients)) - set(self._nodes))
             if missing:
@@ -84,7 +78,7 @@ class FlowerRounds:
                                  "--node-config 'partition-id=K'")
         return self._nodes
 
-    def exchange(self, message_type: str, contents: list[tuple[int, RecordDict]]) -> list[RecordDict]:
+    def send(self, message_type: str, contents: list[tuple[int, RecordDict]]) -> list[RecordDict]:
         """One message per participant, the replies' contents in the same order."""
         nodes = self.nodes()
         started = time.perf_counter()
@@ -92,12 +86,12 @@ class FlowerRounds:
         for cid, content in contents:
             content["run"] = self.run
             messages.append(Message(content, nodes[cid], message_type, group_id=str(self.round_index)))
-        by_node = {r.metadata.src_node_id: r for r in self._send(messages, f"round {self.round_index + 1}")}
+        by_node = {r.metadata.src_node_id: r for r in self._deliver(messages, f"round {self.round_index + 1}")}
         self.exchanges += 1
         self.exchange_s.append(time.perf_counter() - started)
         return [by_node[nodes[cid]].content for cid, _ in contents]
 
-    def _send(self, messages: list[Message], what: str) -> list[Message]:
+    def _deliver(self, messages: list[Message], what: str) -> list[Message]:
         replies = list(self.grid.send_and_receive(messages, timeout=self.reply_wait))
         for reply in replies:
             if reply.has_error():
@@ -116,30 +110,31 @@ class FlowerSessions:
     def __init__(self, rounds: FlowerRounds, tasks: list[ClientTask]) -> None:
         self.rounds, self.tasks = rounds, tasks
         self.opened = False
-        self.grads: list[torch.Tensor | None] | None = None
+        self.grads: list[torch.Tensor | None] = [None] * len(tasks)
 
     def _contents(self, finish: bool) -> list[tuple[int, RecordDict]]:
         contents = []
-        for k, task in enumerate(self.tasks):
-            grad = None if self.grads is None else self.grads[k]
-            content = codec.task_content(task) if not self.opened else RecordDict()
-            content["step"] = ConfigRecord({"finish": finish, "has_grad": grad is not None})
-            if grad is not None:
-                content["grad"] = ArrayRecord({"grad": grad.detach().cpu().contiguous()})
+        for task, grad in zip(self.tasks, self.grads):
+            if self.opened:
+                content = RecordDict({f"grad.{k}": r for k, r in codec.records(grad, "activation gradient").items()})
+            else:
+                content = codec.task_content(task)
+                content["client"] = ConfigRecord({"cid": task.cid})
+            content["step"] = ConfigRecord({"finish": finish})
             contents.append((task.cid, content))
-        self.opened, self.grads = True, None
+        self.opened, self.grads = True, [None] * len(self.tasks)
         return contents
 
     def forward(self) -> list[Upload]:
-        replies = self.rounds.exchange("train.step", self._contents(finish=False))
-        return [codec.upload_from(r, self.rounds.device) for r in replies]
+        replies = self.rounds.send("train.step", self._contents(finish=False))
+        return [codec.value(r, self.rounds.device) for r in replies]
 
     def backward(self, grads: list[torch.Tensor | None]) -> None:
         self.grads = list(grads)
 
     def finish(self) -> list[ClientResult]:
-        replies = self.rounds.exchange("train.step", self._contents(finish=True))
-        return [codec.result_from(r, self.rounds.device) for r in replies]
+        replies = self.rounds.send("train.step", self._contents(finish=True))
+        return [codec.value(r, self.rounds.device) for r in replies]
 
 
 app = ServerApp()
@@ -156,6 +151,6 @@ def main(grid: Grid, context: Context) -> None:
         raise FedltError("the ServerApp needs a fedlt config file: flwr run ... --run-config 'config=\"run.toml\"'")
     config = RunConfig.model_validate(read_config_file(Path(str(settings["config"]))))
     rounds = FlowerRounds(grid, config, node_wait=float(settings.get("node-wait", NODE_WAIT_S)))
-    summary = run(config, resume=bool(settings.get("resume", False)), train_round=rounds.train_round)
+    summary = run(config, resume=bool(settings.get("resume", False)), runner=rounds)
     print(f"fedlt: final accuracy {summary['final']['accuracy']:.4f} after {summary['rounds']} rounds -> {config.out}",
           flush=True)

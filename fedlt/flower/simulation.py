@@ -52,7 +52,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
         for job in jobs:
             rounds = FlowerRounds(grid, job.config)
             summary = run_engine(job.config, resume=job.resume, on_round=job.on_round, on_start=job.on_start,
-                                 train_round=rounds.train_round)
+                                 runner=rounds)
             outcomes.append({"summary": summary, "exchanges": rounds.exchanges})
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # the run's own progress is fedlt's

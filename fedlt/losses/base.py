@@ -20,11 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedlt.context import ROUND_FIELDS
 from fedlt.errors import FedltError
+from fedlt.losses.cache import DeviceCache  # noqa: F401  (re-exported: term modules import it from here)
+from fedlt.losses.fused import dispatch
+from fedlt.losses.fused.parts import kinds
 
-# What ``build`` may hand to a constructor; each term receives only those its signature names.
-SETUP_KEYS = ("class_counts", "num_classes", "classifier_weight", "global_params", "seed",
-              "global_counts")
+# What ``build`` may hand to a constructor; each term receives only those its signature names:
+# the client's own values, and every field of the round context (fedlt.context.RoundContext).
+CLIENT_KEYS = ("class_counts", "global_params", "seed")
+SETUP_KEYS = CLIENT_KEYS + tuple(k for k in ROUND_FIELDS if k not in CLIENT_KEYS)
 
 
 class LossTerm:
@@ -70,9 +75,7 @@ class LossTerm:
 
     @fused.setter
     def fused(self, mode: str) -> None:
-        from fedlt.losses.fused import check_mode
-
-        self._fused = check_mode(mode)
+        self._fused = dispatch.check_mode(mode)
 
     def fused_value(self, logits: torch.Tensor, targets: torch.Tensor,
                     teacher_logits: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -80,7 +83,6 @@ class LossTerm:
 
         The choice comes first (from the mode and the logits' shape), so a reference run pays
         only that; then the parts (with the term's input checks) and one fused function."""
-        dispatch = _dispatch()
         impl = dispatch.backend(self.fused, logits, self.fused_family or "composite")
         if impl is None:
             return None
@@ -109,22 +111,16 @@ class LossTerm:
 
     # -- arithmetic: terms compose into weighted sums ------------------------------------------
     def __add__(self, other: Any) -> Any:
-        from fedlt.losses.compose import compose
-
         if not isinstance(other, LossTerm):
             return NotImplemented
         return compose(self, other)
 
     def __sub__(self, other: Any) -> Any:
-        from fedlt.losses.compose import compose
-
         if not isinstance(other, LossTerm):
             return NotImplemented
         return compose(self, (-1.0, other))
 
     def __mul__(self, weight: Any) -> Any:
-        from fedlt.losses.compose import compose
-
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             return NotImplemented
         return compose((float(weight), self))
@@ -141,14 +137,6 @@ class LossTerm:
 
     def __repr__(self) -> str:
         return self.name
-
-
-@functools.cache
-def _dispatch() -> Any:
-    """fedlt.losses.fused.dispatch, imported on first use (it imports this module)."""
-    from fedlt.losses.fused import dispatch
-
-    return dispatch
 
 
 def _checked_init(init: Any) -> Any:
@@ -244,23 +232,174 @@ def check_batch(term: str, logits: torch.Tensor, targets: torch.Tensor,
         )
 
 
-class DeviceCache:
-    """Per-(device, dtype) copies of a fixed per-class vector, made once instead of every step."""
-
-    def __init__(self, vec: torch.Tensor) -> None:
-        self.vec = vec
-        self._copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def get(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
-        if key not in self._copies:
-            self._copies[key] = self.vec.to(device=device, dtype=dtype)
-        return self._copies[key]
-
-    def like(self, ref: torch.Tensor) -> torch.Tensor:
-        return self.get(ref.device, ref.dtype)
-
-
 def zero_like_loss(logits: torch.Tensor) -> torch.Tensor:
     """A 0 that stays in the autograd graph (backward works, every gradient is 0, never NaN)."""
     return logits[:, :0].sum()
+
+
+# -- weighted sums of terms -----------------------------------------------------------------------
+class Composite(LossTerm):
+    """Σ_k w_k · term_k(logits, targets, ...): a local objective made of terms.
+
+    Every term receives the same call (logits, targets, teacher_logits, params) and uses what it
+    needs; ``needs_teacher`` / ``needs_params`` are true when any term with a non-zero weight
+    needs them, and terms with weight 0 are not called at all. State is namespaced per term as
+    ``"<term name>.<key>"`` (``"<name>#k.<key>"`` for the k-th repeat of a name), so a
+    composition's state round-trips through ``state_dict`` / ``load_state_dict``.
+
+    Fused path (docs/fused.md): when every term is a logit-space part (``ce``, ``logit_adjust``,
+    ``fedlc``, ``vacant_kd``, ``logit_suppression``, presets of them) or self-contained
+    (``fedprox``, ``sgb``), the parts run as ONE fused function (``fedvls`` is one pass, not three)
+    and the self-contained terms beside it; ``fused`` set on a composite sets it on its terms.
+    """
+
+    name = "sum"
+
+    def __init__(self, terms: Sequence[tuple[float, LossTerm]]) -> None:
+        self.terms: list[tuple[float, LossTerm]] = [(float(w), t) for w, t in terms]
+        if not self.terms:
+            raise FedltError("a composite loss needs at least one term")
+        for w, t in self.terms:
+            if not isinstance(t, LossTerm):
+                raise FedltError(f"composite loss: {t!r} is not a LossTerm")
+            if not math.isfinite(w):
+                raise FedltError(f"composite loss: weight of {t.name!r} must be finite, got {w}")
+        self.labels = _labels([t.name for _, t in self.terms])
+
+    @property
+    def needs_teacher(self) -> bool:  # type: ignore[override]
+        return any(t.needs_teacher for w, t in self.terms if w != 0)
+
+    @property
+    def needs_params(self) -> bool:  # type: ignore[override]
+        return any(t.needs_params for w, t in self.terms if w != 0)
+
+    def _set_fused(self, mode: str) -> None:
+        LossTerm.fused.fset(self, mode)  # type: ignore[attr-defined]
+        for _, term in self.terms:
+            term.fused = mode
+
+    fused = property(LossTerm.fused.fget, _set_fused, doc=LossTerm.fused.__doc__)
+
+    def flat_terms(self) -> list[tuple[float, LossTerm]]:
+        """The non-zero-weighted leaf terms, nested composites (presets) expanded, weights multiplied."""
+        out: list[tuple[float, LossTerm]] = []
+        for w, t in self.terms:
+            if w == 0:
+                continue
+            out.extend([(w * w2, t2) for w2, t2 in t.flat_terms()] if isinstance(t, Composite) else [(w, t)])
+        return out
+
+    def fused_parts(self, logits, targets, teacher_logits, weight):
+        parts: list = []
+        for w, t in self.flat_terms():
+            p = t.fused_parts(logits, targets, teacher_logits, weight * w)
+            if p is None:
+                return None
+            parts.extend(p)
+        return tuple(parts)
+
+    def _fused_call(self, logits, targets, teacher_logits, params) -> torch.Tensor | None:
+        """The fused value, or None: run the terms one by one (reference)."""
+        flat = self.flat_terms()
+        if len(flat) == 1 and flat[0][0] == 1.0:  # one term: it dispatches itself in the plain loop
+            return None
+        families = {t.fused_family for _, t in flat if not t.self_contained}
+        if not families or dispatch.backend(self.fused, logits, "ce" if families == {"ce"} else "composite") is None:
+            return None
+        parts: list = []
+        beside: list[tuple[float, LossTerm]] = []
+        uncovered: list[LossTerm] = []
+        for w, t in flat:
+            p = t.fused_parts(logits, targets, teacher_logits, w)
+            if p is not None:
+                parts.extend(p)
+            elif t.self_contained:
+                beside.append((w, t))
+            else:
+                uncovered.append(t)
+        if uncovered:
+            dispatch.warn_uncovered(f"{' + '.join(map(repr, uncovered))} (in {self!r})")
+            return None
+        impl = dispatch.backend(self.fused, logits, kinds(tuple(parts))) if parts else None
+        if impl is None:
+            return None
+        value = dispatch.objective_value(tuple(parts), logits, targets, teacher_logits, impl)
+        for w, t in beside:
+            v = t(logits, targets, teacher_logits=teacher_logits, params=params)
+            value = value + (v if w == 1 else w * v)
+        return value
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, *,
+                 teacher_logits: torch.Tensor | None = None,
+                 params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        fused = self._fused_call(logits, targets, teacher_logits, params)
+        if fused is not None:
+            return fused
+        total: torch.Tensor | None = None
+        for w, term in self.terms:
+            if w == 0:
+                continue
+            value = term(logits, targets, teacher_logits=teacher_logits, params=params)
+            value = value if w == 1 else w * value
+            total = value if total is None else total + value
+        return zero_like_loss(logits) if total is None else total
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for label, (_, term) in zip(self.labels, self.terms):
+            out.update({f"{label}.{k}": v for k, v in term.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        by_label: dict[str, dict[str, torch.Tensor]] = {label: {} for label in self.labels}
+        for key, value in state.items():
+            label, _, sub = key.partition(".")
+            if label not in by_label or not sub:
+                raise FedltError(
+                    f"loss state key {key!r} matches no term of {self!r} "
+                    f"(terms: {', '.join(self.labels)})"
+                )
+            by_label[label][sub] = value
+        for label, (_, term) in zip(self.labels, self.terms):
+            if by_label[label] or term.state_dict():
+                term.load_state_dict(by_label[label])
+
+    def __repr__(self) -> str:
+        parts = []
+        for i, (w, t) in enumerate(self.terms):
+            body = f"({t!r})" if type(t) is Composite else repr(t)
+            if abs(w) != 1:
+                body = f"{abs(w):g}*{body}"
+            sign = "-" if w < 0 else "+"
+            parts.append((f"-{body}" if w < 0 else body) if i == 0 else f"{sign} {body}")
+        return " ".join(parts)
+
+
+def _labels(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        k = seen.get(name, 0)
+        labels.append(name if k == 0 else f"{name}#{k}")
+        seen[name] = k + 1
+    return labels
+
+
+def compose(*items: LossTerm | tuple[float, LossTerm]) -> Composite:
+    """A weighted sum from terms and ``(weight, term)`` pairs; plain sums are flattened.
+
+    ``compose(la, (0.1, kd), ls)`` == ``la + 0.1 * kd + ls``.
+    """
+    terms: list[tuple[float, LossTerm]] = []
+    for item in items:
+        w, term = item if isinstance(item, tuple) else (1.0, item)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not isinstance(term, LossTerm):
+            raise FedltError(
+                f"compose: expected a LossTerm or a (weight, LossTerm) pair, got {item!r}"
+            )
+        if type(term) is Composite:  # presets (Composite subclasses) stay one named unit
+            terms.extend((w * w2, t2) for w2, t2 in term.terms)
+        else:
+            terms.append((float(w), term))
+    return Composite(terms)

@@ -4,9 +4,9 @@ compose").
 ``build("logit_adjust(tau=0.5) + 0.1*vacant_kd(T=2)", class_counts=n, ...)`` parses the string
 with :mod:`ast` (never ``eval``): a sum or difference of registered term names, each optionally
 called with keyword literals and multiplied or divided by numbers. Every term is created with
-the setup values its constructor names (``class_counts``, ``num_classes``,
-``classifier_weight``, ``global_params``, ``seed``, ``global_counts``) plus its own parameters
-from the string.
+the setup values its constructor names (the client's ``class_counts``, ``global_params``,
+``seed``, and any field of the round context: ``num_classes``, ``classifier_weight``,
+``global_counts``, ``rounds``, ...) plus its own parameters from the string.
 """
 
 from __future__ import annotations
@@ -20,179 +20,12 @@ from typing import Any
 
 import torch
 
+from fedlt.context import RoundContext
 from fedlt.errors import FedltError
-from fedlt.losses.base import SETUP_KEYS, LossTerm, describe_params, zero_like_loss
+from fedlt.losses.base import SETUP_KEYS, Composite, LossTerm, compose, describe_params
 from fedlt.losses.fused import dispatch
-from fedlt.losses.fused.parts import kinds
 
 _EXAMPLE = "e.g. 'logit_adjust(tau=0.5) + 0.1*vacant_kd(T=2)'"
-
-
-class Composite(LossTerm):
-    """Σ_k w_k · term_k(logits, targets, ...): a local objective made of terms.
-
-    Every term receives the same call (logits, targets, teacher_logits, params) and uses what it
-    needs; ``needs_teacher`` / ``needs_params`` are true when any term with a non-zero weight
-    needs them, and terms with weight 0 are not called at all. State is namespaced per term as
-    ``"<term name>.<key>"`` (``"<name>#k.<key>"`` for the k-th repeat of a name), so a
-    composition's state round-trips through ``state_dict`` / ``load_state_dict``.
-
-    Fused path (docs/fused.md): when every term is a logit-space part (``ce``, ``logit_adjust``,
-    ``fedlc``, ``vacant_kd``, ``logit_suppression``, presets of them) or self-contained
-    (``fedprox``, ``sgb``), the parts run as ONE fused function (``fedvls`` is one pass, not three)
-    and the self-contained terms beside it; ``fused`` set on a composite sets it on its terms.
-    """
-
-    name = "sum"
-
-    def __init__(self, terms: Sequence[tuple[float, LossTerm]]) -> None:
-        self.terms: list[tuple[float, LossTerm]] = [(float(w), t) for w, t in terms]
-        if not self.terms:
-            raise FedltError("a composite loss needs at least one term")
-        for w, t in self.terms:
-            if not isinstance(t, LossTerm):
-                raise FedltError(f"composite loss: {t!r} is not a LossTerm")
-            if not math.isfinite(w):
-                raise FedltError(f"composite loss: weight of {t.name!r} must be finite, got {w}")
-        self.labels = _labels([t.name for _, t in self.terms])
-
-    @property
-    def needs_teacher(self) -> bool:  # type: ignore[override]
-        return any(t.needs_teacher for w, t in self.terms if w != 0)
-
-    @property
-    def needs_params(self) -> bool:  # type: ignore[override]
-        return any(t.needs_params for w, t in self.terms if w != 0)
-
-    def _set_fused(self, mode: str) -> None:
-        LossTerm.fused.fset(self, mode)  # type: ignore[attr-defined]
-        for _, term in self.terms:
-            term.fused = mode
-
-    fused = property(LossTerm.fused.fget, _set_fused, doc=LossTerm.fused.__doc__)
-
-    def flat_terms(self) -> list[tuple[float, LossTerm]]:
-        """The non-zero-weighted leaf terms, nested composites (presets) expanded, weights multiplied."""
-        out: list[tuple[float, LossTerm]] = []
-        for w, t in self.terms:
-            if w == 0:
-                continue
-            out.extend([(w * w2, t2) for w2, t2 in t.flat_terms()] if isinstance(t, Composite) else [(w, t)])
-        return out
-
-    def fused_parts(self, logits, targets, teacher_logits, weight):
-        parts: list = []
-        for w, t in self.flat_terms():
-            p = t.fused_parts(logits, targets, teacher_logits, weight * w)
-            if p is None:
-                return None
-            parts.extend(p)
-        return tuple(parts)
-
-    def _fused_call(self, logits, targets, teacher_logits, params) -> torch.Tensor | None:
-        """The fused value, or None: run the terms one by one (reference)."""
-        flat = self.flat_terms()
-        if len(flat) == 1 and flat[0][0] == 1.0:  # one term: it dispatches itself in the plain loop
-            return None
-        families = {t.fused_family for _, t in flat if not t.self_contained}
-        if not families or dispatch.backend(self.fused, logits, "ce" if families == {"ce"} else "composite") is None:
-            return None
-        parts: list = []
-        beside: list[tuple[float, LossTerm]] = []
-        uncovered: list[LossTerm] = []
-        for w, t in flat:
-            p = t.fused_parts(logits, targets, teacher_logits, w)
-            if p is not None:
-                parts.extend(p)
-            elif t.self_contained:
-                beside.append((w, t))
-            else:
-                uncovered.append(t)
-        if uncovered:
-            dispatch.warn_uncovered(f"{' + '.join(map(repr, uncovered))} (in {self!r})")
-            return None
-        impl = dispatch.backend(self.fused, logits, kinds(tuple(parts))) if parts else None
-        if impl is None:
-            return None
-        value = dispatch.objective_value(tuple(parts), logits, targets, teacher_logits, impl)
-        for w, t in beside:
-            v = t(logits, targets, teacher_logits=teacher_logits, params=params)
-            value = value + (v if w == 1 else w * v)
-        return value
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, *,
-                 teacher_logits: torch.Tensor | None = None,
-                 params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        fused = self._fused_call(logits, targets, teacher_logits, params)
-        if fused is not None:
-            return fused
-        total: torch.Tensor | None = None
-        for w, term in self.terms:
-            if w == 0:
-                continue
-            value = term(logits, targets, teacher_logits=teacher_logits, params=params)
-            value = value if w == 1 else w * value
-            total = value if total is None else total + value
-        return zero_like_loss(logits) if total is None else total
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for label, (_, term) in zip(self.labels, self.terms):
-            out.update({f"{label}.{k}": v for k, v in term.state_dict().items()})
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        by_label: dict[str, dict[str, torch.Tensor]] = {label: {} for label in self.labels}
-        for key, value in state.items():
-            label, _, sub = key.partition(".")
-            if label not in by_label or not sub:
-                raise FedltError(
-                    f"loss state key {key!r} matches no term of {self!r} "
-                    f"(terms: {', '.join(self.labels)})"
-                )
-            by_label[label][sub] = value
-        for label, (_, term) in zip(self.labels, self.terms):
-            if by_label[label] or term.state_dict():
-                term.load_state_dict(by_label[label])
-
-    def __repr__(self) -> str:
-        parts = []
-        for i, (w, t) in enumerate(self.terms):
-            body = f"({t!r})" if type(t) is Composite else repr(t)
-            if abs(w) != 1:
-                body = f"{abs(w):g}*{body}"
-            sign = "-" if w < 0 else "+"
-            parts.append((f"-{body}" if w < 0 else body) if i == 0 else f"{sign} {body}")
-        return " ".join(parts)
-
-
-def _labels(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    labels = []
-    for name in names:
-        k = seen.get(name, 0)
-        labels.append(name if k == 0 else f"{name}#{k}")
-        seen[name] = k + 1
-    return labels
-
-
-def compose(*items: LossTerm | tuple[float, LossTerm]) -> Composite:
-    """A weighted sum from terms and ``(weight, term)`` pairs; plain sums are flattened.
-
-    ``compose(la, (0.1, kd), ls)`` == ``la + 0.1 * kd + ls``.
-    """
-    terms: list[tuple[float, LossTerm]] = []
-    for item in items:
-        w, term = item if isinstance(item, tuple) else (1.0, item)
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not isinstance(term, LossTerm):
-            raise FedltError(
-                f"compose: expected a LossTerm or a (weight, LossTerm) pair, got {item!r}"
-            )
-        if type(term) is Composite:  # presets (Composite subclasses) stay one named unit
-            terms.extend((w * w2, t2) for w2, t2 in term.terms)
-        else:
-            terms.append((float(w), term))
-    return Composite(terms)
 
 
 # -- the expression language --------------------------------------------------------------------
@@ -308,24 +141,29 @@ def _finite(w: float, bad: Any) -> float:
 
 
 # -- build ----------------------------------------------------------------------------------------
-def build(expr: str | LossTerm | list, *, fused: str = "auto", **setup: Any) -> Composite:
+def build(expr: str | LossTerm | list, *, fused: str | None = None, context: RoundContext | None = None,
+          **setup: Any) -> Composite:
     """Parse ``expr`` and create its terms from the round's setup values.
 
-    ``setup`` may hold ``class_counts`` (length C, the client's counts over its whole local
-    set), ``num_classes``, ``classifier_weight`` (C×d, the received global classifier, may be
-    None), ``global_params`` (tensors of the received global model), ``seed`` (int) and
-    ``global_counts`` (length C, the class counts of the whole federation's training set); each
-    term gets only those its constructor names, and a parameter written in the expression wins
-    over a setup value of the same name. An already-built term is wrapped as it is.
-    ``fused`` (``"auto"``, ``"on"``, ``"off"``) picks the implementation of the composite and of
-    every term in it (docs/fused.md).
+    ``context`` is the round (fedlt.context.RoundContext): a term's constructor may name any of
+    its fields (``num_classes``, ``global_counts``, ``classifier_weight`` — the received global
+    classifier, C×d, may be None —, ``round_index``, ``rounds``, ``participants``, ...). ``setup``
+    adds the client's own values — ``class_counts`` (length C, over its whole local set),
+    ``global_params`` (tensors of the received global model), ``seed`` (its terms' seed) — and
+    may override a context field. Each term gets only those its constructor names, and a
+    parameter written in the expression wins over a setup value of the same name. An
+    already-built term is wrapped as it is. ``fused`` (``"auto"``, ``"on"``, ``"off"``; default the
+    context's, else ``"auto"``) picks the implementation of the composite and of every term in it
+    (docs/fused.md).
     """
+    fused = fused if fused is not None else (context.fused if context is not None else "auto")
     dispatch.check_mode(fused)
     unknown = sorted(set(setup) - set(SETUP_KEYS))
     if unknown:
         raise FedltError(
             f"loss setup: unknown argument(s) {', '.join(unknown)} (allowed: {', '.join(SETUP_KEYS)})"
         )
+    setup = (context.values() if context is not None else {}) | setup
     counts = setup.get("class_counts")
     if counts is not None:
         try:
@@ -347,13 +185,6 @@ def build(expr: str | LossTerm | list, *, fused: str = "auto", **setup: Any) -> 
     return objective
 
 
-# Stand-ins for the round's setup, so ``validate`` can run every constructor's checks early.
-_PLACEHOLDER_SETUP: dict[str, Any] = {
-    "class_counts": [1.0, 1.0], "classifier_weight": [[1.0], [1.0]],
-    "seed": 0, "global_counts": [1.0, 1.0],
-}
-
-
 def validate(expr: str | LossTerm) -> list[tuple[float, str, dict[str, Any]]]:
     """Check an expression before any data exists (config time): syntax, that every name is a
     registered loss term, and every parameter's name and value. Returns the parsed terms.
@@ -366,7 +197,10 @@ def validate(expr: str | LossTerm) -> list[tuple[float, str, dict[str, Any]]]:
         return [(1.0, expr.name, {})]
     parsed = parse(expr)
     for _, name, params in parsed:
-        create_term(name, params, dict(_PLACEHOLDER_SETUP, global_params=[torch.zeros(1)]))
+        # stand-ins for the round (two classes, a one-feature classifier) run every constructor's checks
+        # (no num_classes: a per-class parameter's length is checked in build, against the data)
+        create_term(name, params, RoundContext.placeholder().values()
+                    | {"class_counts": [1.0, 1.0], "seed": 0, "global_params": [torch.zeros(1)], "num_classes": None})
     return parsed
 
 

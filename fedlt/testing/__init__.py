@@ -20,6 +20,7 @@ with the component and the name of the property, e.g.
 | aggregator | :func:`check_aggregator` |
 | dataset | :func:`check_dataset` |
 | algorithm | :func:`check_algorithm` |
+| algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra) |
 """
 
 from fedlt.testing.base import ContractError
@@ -29,6 +30,7 @@ from fedlt.testing.models import check_model, check_splitter
 from fedlt.testing.aggregators import check_aggregator
 from fedlt.testing.datasets import check_dataset
 from fedlt.testing.algorithms import check_algorithm
+from fedlt.testing.engines import check_engines
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter",
-           "check_aggregator", "check_dataset", "check_algorithm"]
+           "check_aggregator", "check_dataset", "check_algorithm", "check_engines"]

@@ -16,6 +16,20 @@ TINY = dict(dataset="mnist", train_limit=600, test_limit=100, clients=6, partici
             server_batch=12, eval_every=1, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 
 
+def split_model_for(config: Any) -> str:
+    """``mlp``, or ``alexnet`` when the algorithm of ``config`` (an ``mlp`` run) needs a model
+    with named cut points (a split algorithm)."""
+    from fedlt.engine import prepare
+
+    try:
+        prepare(config.model_copy(update={"model": "mlp"}))
+    except FedltError as exc:
+        if "split" not in str(exc):
+            raise
+        return "alexnet"
+    return "mlp"
+
+
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl without its wall-clock fields (train_s, eval_s, round_s)."""
     return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
@@ -34,19 +48,13 @@ def check_algorithm(algorithm: Any, params: dict[str, Any] | None = None, *, mod
     """
     import fedlt.algorithms
     from fedlt.config import RunConfig
-    from fedlt.engine import prepare, run
+    from fedlt.engine import run
 
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-contract-") as tmp:
         c = Contract(f"algorithm {name!r}")
-        base = dict(TINY, **settings, algorithm=name, algorithm_params=dict(params or {}), model=model or "mlp")
-        if model is None:
-            try:
-                prepare(RunConfig(**base, out=Path(tmp) / "probe"))
-            except FedltError as exc:  # split algorithms need a model with named cut points
-                if "split" not in str(exc):
-                    raise
-                base["model"] = "alexnet"
+        base = dict(TINY, **settings, algorithm=name, algorithm_params=dict(params or {}))
+        base["model"] = model or split_model_for(RunConfig(**base, out=Path(tmp) / "probe"))
         with c.property("two rounds"):
             reference = run(RunConfig(**base, rounds=2, out=Path(tmp) / "reference"))
         rows = _rows(Path(tmp) / "reference")

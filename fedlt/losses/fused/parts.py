@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedlt.losses.base import DeviceCache
+from fedlt.losses.cache import DeviceCache
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The engine contract: an algorithm gives one answer on every engine.
+
+For each algorithm, two rounds on a tiny MNIST subset on the local engine and in Flower's
+simulation must end with the same global weights, the same server-side state (aggregator
+moments, control variates, server optimiser, ...) and the same client states, contents compared
+(≤ ``atol`` for floating tensors: other processes may round differently; exact otherwise); and a
+Flower run cut after round 1 and resumed must end exactly where the uninterrupted Flower run
+does. All algorithms share ONE simulation (Ray starts once).
+
+Flower runs each client in another process, which finds the algorithm by its registered name:
+check a built-in or an installed plugin's entry point, not an object registered in this process.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedlt import io
+from fedlt.testing.algorithms import TINY, split_model_for
+from fedlt.testing.base import Contract
+
+Case = "str | tuple[str, dict[str, Any]]"
+
+
+def _label(name: str, params: dict[str, Any]) -> str:
+    return name + (f"({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else "")
+
+
+def differences(a: Any, b: Any, atol: float, path: str = "") -> list[str]:
+    """Where two nested states differ: keys, types, shapes, dtypes, values (floating tensors
+    within ``atol``, everything else exactly)."""
+    import torch
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path or 'state'}: keys {sorted(map(str, set(a) ^ set(b)))[:5]} in one only"]
+        return [d for k in a for d in differences(a[k], b[k], atol, f"{path}.{k}" if path else str(k))]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: lengths {len(a)} and {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, atol, f"{path}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return [f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        if a.is_floating_point():
+            gap = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+            return [f"{path}: differs by {gap:.3g} > {atol:g}"] if not gap <= atol else []
+        return [] if torch.equal(a, b) else [f"{path}: differs"]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if abs(a - b) <= atol or a == b else [f"{path}: {a} vs {b}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = True, **settings: Any) -> None:
+    """Check that every algorithm in ``cases`` — registered names, ``(name, params)`` pairs or
+    ``(name, params, settings)`` triples — ends the same on the local engine and on Flower's
+    simulation (see the module docstring). ``settings`` (for all cases, then a case's own)
+    override :data:`fedlt.testing.algorithms.TINY`. Raises ContractError naming the algorithm,
+    the property and the first differences."""
+    import fedlt.algorithms
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.flower.simulation import Job, simulate
+
+    normalised = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
+                  for c in cases]
+    with tempfile.TemporaryDirectory(prefix="fedlt-engines-") as tmp:
+        configs, jobs = [], []
+        for k, (name, params, own) in enumerate(normalised):
+            fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
+            base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params)
+            base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+            make = lambda where, **more: RunConfig(**{**base, **more, "out": Path(tmp) / f"{k}-{where}"})  # noqa: E731
+            configs.append((make("local", rounds=2), make("flower", rounds=2, engine="flower"),
+                            make("resumed", rounds=1, engine="flower"), make("resumed", rounds=2, engine="flower")))
+            jobs.append(Job(configs[-1][1]))
+            if resume:
+                jobs += [Job(configs[-1][2]), Job(configs[-1][3], resume=True)]
+        for local, *_ in configs:
+            run(local)
+        simulate(jobs)
+        for (name, params, own), (local, flower, _, resumed) in zip(normalised, configs):
+            c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
+            ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt")
+                    for key, cfg in (("local", local), ("flower", flower), ("resumed", resumed)) if resume or key != "resumed"}
+            for part, what in (("algorithm", "global model and server state"), ("client_states", "client states")):
+                found = differences(ends["local"][part], ends["flower"][part], atol)
+                c.check(not found, "same answer on every engine",
+                        f"{what} after 2 rounds differ between local and flower: {'; '.join(found[:3])}")
+                if resume:
+                    found = differences(ends["flower"][part], ends["resumed"][part], 0.0)
+                    c.check(not found, "exact resume on flower",
+                            f"{what}: cut after round 1 and resumed differs from uninterrupted: {'; '.join(found[:3])}")
