@@ -256,13 +256,18 @@ class Snapshot:
 
 
 def engine_rounds(config: RunConfig) -> list[Snapshot]:
+    """Run ``config`` and read every round's checkpoint back: the global model through the
+    Algorithm protocol (``load_state_dict``, ``global_model``), V3's parts from the client states."""
     out: list[Snapshot] = []
+    reader = prepare(config).algorithm
 
     def read(rounds_done: int, row: dict) -> None:  # the checkpoint of this round is on disk now
         saved = load_checkpoint(Path(config.out) / "checkpoint.pt")
         assert saved["round"] == rounds_done
+        reader.load_state_dict(saved["algorithm"])
+        model = {n: t.detach().clone() for n, t in reader.global_model().state_dict().items()}
         kept = {int(cid): dict(s["client_model"]) for cid, s in saved["client_states"].items() if "client_model" in s}
-        out.append(Snapshot(dict(saved["algorithm"]["model"]), kept, row["train_loss"]))
+        out.append(Snapshot(model, kept, row["train_loss"]))
 
     run(config, on_round=read)
     rows = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
@@ -340,7 +345,7 @@ def test_rounds_match_the_float64_reference(algorithm, tmp_path, one_thread):
         assert g.train_loss == pytest.approx(w.train_loss, abs=TOL), f"round {r + 1}: train_loss"
 
     # the comparison has power: the setting is the one described above, both sides clipped on
-    # some steps but not all, training moved every weight well beyond TOL
+    # some steps but not all, training moved every tensor well beyond TOL
     assert chosen == [[0, 1, 3], [0, 1, 2]], chosen
     assert reference.rounds == [([33, 35, 16], [15, 16, 7]), ([33, 35, 36], [12, 13, 13])], reference.rounds
     clipped = {side: c for side, (c, _) in reference.tally.items()}
