@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 
 from fedlt.algorithms import preset
@@ -140,13 +140,17 @@ class SplitLearning(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    client_loss: LossExpression = "logit_adjust"
-    server_loss: LossExpression = "logit_adjust"
-    server_prior: Literal["batch", "participants"] = "batch"
-    server_mode: Literal["concat", "sequential", "copies"] = "concat"
-    average_clients: bool = True
-    local_loss: bool = False
-    aggregator: AggregatorSpec = "fedavg"
+    client_loss: LossExpression = Field("logit_adjust", description="the clients' loss expression (SPEC §2)")
+    server_loss: LossExpression = Field("logit_adjust", description="the server's loss expression (SPEC §2)")
+    server_prior: Literal["batch", "participants"] = Field(
+        "batch", description="the server loss's label counts: the batch it sees, or the round's participants pooled")
+    server_mode: Literal["concat", "sequential", "copies"] = Field(
+        "concat", description="the server side: one forward of all activations, each client's batch in turn, "
+                              "or a server copy per participant")
+    average_clients: bool = Field(True, description="average the client parts (else each client keeps its own)")
+    local_loss: bool = Field(False, description="clients train through an auxiliary head, with no gradient "
+                                                "from the server")
+    aggregator: AggregatorSpec = Field("fedavg", description="aggregator of the client parts (SPEC §4)")
 
     _ctx: RunContext = PrivateAttr()
     _strategy: SplitStrategy = PrivateAttr()
