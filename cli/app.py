@@ -20,6 +20,23 @@ from fedlt.registry import PluginWarning
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"fedlt {version('fedlt')}")
+        except PackageNotFoundError:  # imported from a source tree that was never installed
+            raise FedltError("fedlt is not installed (no package metadata); install it with pip install -e .") from None
+        raise typer.Exit()
+
+
+@app.callback()
+def options(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                              help="Print fedlt's installed version and exit.")) -> None:
+    """Options taken before the command (``fedlt --version``); the app's help stays the one above."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line on stderr and exit code 2; a skipped
     plugin is one ``warning:`` line."""

@@ -1,7 +1,9 @@
 """MkDocs hook: the reference pages are generated at build time from what fedlt registers, so they
-cannot drift from the code. One page per component kind (every built-in: its docstring, which
-states the formula, defaults and source paper or SPEC section, and its parameters with defaults),
-and the command-line reference from the Typer app's own help."""
+cannot drift from the code. One page per registry in ``fedlt.components.registries()`` — a new kind
+of component gets its page and its place in the navigation without an edit here — listing every
+built-in: its docstring (the formula, defaults and source paper or SPEC section) and its parameters
+with defaults and descriptions; a parameter without a description fails the build. The
+command-line reference comes from the Typer app's own help."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # anything importing timm imports triton; no GPU here
 
+from mkdocs.exceptions import PluginError  # noqa: E402
 from mkdocs.structure.files import File  # noqa: E402
 
+# Titles and introductions of the kinds known today; a kind without one still gets a page.
 KIND_TITLES = {"algorithms": "Algorithms", "partitioners": "Partitioners", "losses": "Loss terms",
                "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets"}
 KIND_INTRO = {
@@ -34,6 +38,29 @@ KIND_INTRO = {
 }
 
 
+def kinds() -> list[str]:
+    from fedlt.components import registries
+
+    return list(registries())
+
+
+def title(kind: str) -> str:
+    return KIND_TITLES.get(kind, kind.replace("_", " ").capitalize())
+
+
+def undescribed() -> list[str]:
+    """``kind/name: parameter`` for every built-in parameter the user sets that has no description."""
+    from fedlt.components import parameters, registries, supplied
+
+    missing = []
+    for kind, reg in registries().items():
+        for name in reg.list():
+            if reg.origin(name) == "built-in":
+                missing += [f"{kind}/{name}: {p.name}" for p in parameters(reg.get(name))
+                            if not p.description and p.name not in supplied(kind)]
+    return missing
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ") or " "
 
@@ -41,15 +68,15 @@ def _cell(text: str) -> str:
 def kind_page(kind: str) -> str:
     from markdown.extensions.toc import slugify
 
-    from fedlt.components import docstring, parameters, registries, supplied
+    from fedlt.components import docstring, parameters, registries, summary_line, supplied
 
     reg = registries()[kind]
     names = [n for n in reg.list() if reg.origin(n) == "built-in"]  # installed plugins vary by machine
-    lines = [f"# {KIND_TITLES[kind]}", "", "*Generated from the registry and the docstrings by `docs/hooks.py`.*",
-             "", KIND_INTRO[kind], "", "| name | summary |", "|---|---|"]
+    intro = KIND_INTRO.get(kind, f"Registered {title(kind).lower()} (`fedlt list {kind}`).")
+    lines = [f"# {title(kind)}", "", "*Generated from the registry and the docstrings by `docs/hooks.py`.*",
+             "", intro, "", "| name | summary |", "|---|---|"]
     for name in names:
-        summary = (docstring(reg.get(name)).splitlines() or [""])[0]
-        lines.append(f"| [`{name}`](#{slugify(name, '-')}) | {_cell(summary)} |")
+        lines.append(f"| [`{name}`](#{slugify(name, '-')}) | {_cell(summary_line(reg.get(name)))} |")
     auto = supplied(kind)
     for name in names:
         obj = reg.get(name)
@@ -95,8 +122,21 @@ def cli_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def on_config(config):
+    """The navigation's Reference section: a page per registry, then the command line."""
+    missing = undescribed()
+    if missing:
+        raise PluginError("docs/hooks.py: parameters without a description (a pydantic Field description, or "
+                          f"an entry in the docstring's Args: section): {', '.join(missing)}")
+    reference = [{title(kind): f"reference/{kind}.md"} for kind in kinds()] + [{"Command line": "reference/cli.md"}]
+    for i, entry in enumerate(config.nav or []):
+        if isinstance(entry, dict) and "Reference" in entry:
+            config.nav[i] = {"Reference": reference}
+    return config
+
+
 def on_files(files, config):
-    for kind in KIND_TITLES:
+    for kind in kinds():
         files.append(File.generated(config, f"reference/{kind}.md", content=kind_page(kind)))
     files.append(File.generated(config, "reference/cli.md", content=cli_page()))
     return files

@@ -160,8 +160,8 @@ class FedAvgM(ServerOptimizer):
     """v ← β·v + Δ; x ← x + η·v (v starts at 0); defaults β = 0.9, η = 1.0; Hsu et al. 2019 (FedAvgM)."""
 
     name = "fedavgm"
-    beta: Beta = 0.9
-    eta: Eta = 1.0
+    beta: Beta = Field(0.9, description="momentum β of the server velocity v")
+    eta: Eta = Field(1.0, description="server learning rate η (--server-lr)")
 
     _v: dict[str, torch.Tensor] = PrivateAttr(default_factory=dict)  # momentum, float64
 
@@ -185,10 +185,10 @@ class Adaptive(ServerOptimizer):
     m ← β1·m + (1 − β1)·Δ; v ← ``second_moment(v, Δ²)``; x ← x + η·m / (√v + τ); m starts at 0,
     v at τ²."""
 
-    eta: Eta = 0.01
-    beta1: Beta = 0.9
-    beta2: Beta = 0.99
-    tau: Tau = 1e-3
+    eta: Eta = Field(0.01, description="server learning rate η (--server-lr)")
+    beta1: Beta = Field(0.9, description="first-moment decay β1")
+    beta2: Beta = Field(0.99, description="second-moment decay β2 (unused by fedadagrad)")
+    tau: Tau = Field(1e-3, description="adaptivity τ: added to √v in the step, and v starts at τ²")
 
     _m: dict[str, torch.Tensor] = PrivateAttr(default_factory=dict)  # first moment, float64
     _v: dict[str, torch.Tensor] = PrivateAttr(default_factory=dict)  # second moment, float64
@@ -251,7 +251,8 @@ class FedExP(Aggregator):
     """
 
     name = "fedexp"
-    eps: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1e-3
+    eps: Annotated[float, Field(ge=0, allow_inf_nan=False,
+                                description="ε added to ‖Δ̄‖² in the step size's denominator")] = 1e-3
 
     def __call__(self, global_state: State, results: Sequence[tuple[State, float]],
                  trainable: Collection[str]) -> State:

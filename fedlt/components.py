@@ -1,10 +1,17 @@
 """What is registered, and what each component takes: its parameters with their defaults and its
 docstring, read from the component itself (pydantic fields, else the call signature), so that
-``fedlt list KIND NAME`` and the docs site cannot drift from the code."""
+``fedlt list KIND NAME`` and the docs site cannot drift from the code.
+
+A parameter's description is its pydantic ``Field(description=...)`` (a field redefined in a
+subclass only to change its default keeps its base's), or, for a parameter of a call signature,
+its entry in the docstring's ``Args:`` section (Google style: ``name: text`` indented under the
+heading, longer text continued on more deeply indented lines). The section is shown as the
+parameter table, so :func:`docstring` leaves it out."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +67,17 @@ def _pydantic(cls: type, instance: Any = None) -> list[Param]:
         else:
             default = _text(field.default)
         annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
-        out.append(Param(name, default, annotation, field.description or ""))
+        out.append(Param(name, default, annotation, _field_description(cls, name)))
     return out
+
+
+def _field_description(cls: type, name: str) -> str:
+    """The field's description, else that of the nearest base class defining the same field."""
+    for klass in cls.__mro__:
+        field = getattr(klass, "__pydantic_fields__", {}).get(name)
+        if field is not None and field.description:
+            return field.description
+    return ""
 
 
 def parameters(obj: Any) -> list[Param]:
@@ -82,19 +98,66 @@ def parameters(obj: Any) -> list[Param]:
         except Exception:
             return []
         return _pydantic(type(instance), instance) if hasattr(type(instance), "model_fields") else []
+    described = _args_section(_raw_docstring(obj))[1]
     out = []
     for p in named:
         default = "required" if p.default is p.empty else _text(p.default)
         annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
-        out.append(Param(p.name, default, "" if annotation is p.empty else str(annotation), ""))
+        out.append(Param(p.name, default, "" if annotation is p.empty else str(annotation), described.get(p.name, "")))
     return out
 
 
-def docstring(obj: Any) -> str:
+ARGS_HEADING = "Args:"
+_ARG_ENTRY = re.compile(r"^    (\w+)(?: \([^)]*\))?: (.*)$")  # "    name: text" or "    name (type): text"
+
+
+def _args_section(doc: str) -> tuple[str, dict[str, str]]:
+    """``doc`` without its ``Args:`` section, and the section's descriptions by parameter name."""
+    lines = doc.splitlines()
+    if ARGS_HEADING not in lines:
+        return doc, {}
+    start = lines.index(ARGS_HEADING)
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    described: dict[str, str] = {}
+    current = None
+    for line in lines[start + 1:end]:
+        entry = _ARG_ENTRY.match(line)
+        if entry:
+            current = entry.group(1)
+            described[current] = entry.group(2).strip()
+        elif line.strip() and current is not None:  # a continuation line
+            described[current] += " " + line.strip()
+    rest = lines[:start] + lines[end:]
+    return "\n".join(rest).strip(), described
+
+
+def _raw_docstring(obj: Any) -> str:
     doc = inspect.getdoc(obj) if callable(obj) or isinstance(obj, type) else inspect.getdoc(type(obj))
     return doc or ""
 
 
+def docstring(obj: Any) -> str:
+    """The component's docstring without its ``Args:`` section (shown as the parameter table)."""
+    return _args_section(_raw_docstring(obj))[0]
+
+
+# A sentence ends at a full stop before whitespace and a capital (or the paragraph's end), not
+# after an abbreviation such as "et al." or "eq." (followed by a year or number anyway).
+_SENTENCE_END = re.compile(r"(?<!\bal)(?<!\beq)(?<!\bAlg)(?<!\be\.g)(?<!\bi\.e)[.!?](?=\s+[A-Z`(])")
+
+
 def summary_line(obj: Any) -> str:
-    doc = docstring(obj)
-    return doc.splitlines()[0] if doc else ""
+    """The docstring's first sentence, on one line. A first paragraph that runs on into a list or
+    a formula without ending its sentence gives its text before the last colon, as a sentence."""
+    paragraph = " ".join(docstring(obj).split("\n\n")[0].split())
+    if not paragraph:
+        return ""
+    end = _SENTENCE_END.search(paragraph)
+    if end is not None:
+        return paragraph[: end.end()]
+    if paragraph[-1] in ".!?":
+        return paragraph
+    head = paragraph.rpartition(":")[0].strip()
+    return f"{head}." if head else f"{paragraph}."

@@ -1,24 +1,44 @@
 """The docs site builds offline with warnings as errors, its generated reference lists every
-registered built-in and CLI command, and the Python examples in the docs and the README run (runs
-shrunk to a tiny subset: one round on a few hundred samples)."""
+registered built-in (a page per registry, whole-sentence summaries, a description for every
+parameter) and CLI command, the home page's architecture is a picture, and the Python examples in
+the docs and the README run (runs shrunk to a tiny subset: one round on a few hundred samples)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from mkdocs.exceptions import PluginError
+from pydantic import BaseModel, Field
 
+import fedlt.components
 import fedlt.engine
-from fedlt.components import registries
+from fedlt.components import docstring, parameters, registries, summary_line, supplied
+from fedlt.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # ```python blocks run; ```py blocks are fragments (signatures, sketches) shown but not run
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def load_hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def built_ins():
+    """(kind, name, component) of every built-in component."""
+    return [(kind, name, reg.get(name)) for kind, reg in registries().items()
+            for name in reg.list() if reg.origin(name) == "built-in"]
 
 
 def test_the_docs_site_builds_strictly_offline_with_generated_reference(tmp_path):
@@ -36,7 +56,114 @@ def test_the_docs_site_builds_strictly_offline_with_generated_reference(tmp_path
     for command in ("run", "partition", "list", "splits", "report"):
         assert f"fedlt {command}" in cli
     assert "--threads" in cli and "--partition" in cli
-    assert "cdnjs" not in (site / "index.html").read_text()  # the pages read offline too
+    index = (site / "index.html").read_text()
+    assert "cdnjs" not in index  # the pages read offline too
+    for kind in registries():  # the navigation has a page per registry
+        assert f'href="reference/{kind}.html"' in index, kind
+    # the architecture is a picture that renders offline, not Mermaid source shown as text
+    assert re.search(r'<img [^>]*src="architecture.svg"', index)
+    assert "mermaid" not in index.lower() and "flowchart" not in index
+    svg = ET.parse(site / "architecture.svg").getroot()
+    assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+    drawn = " ".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    for step in ("RunConfig", "dataset", "partitioner", "client update", "strategy", "evaluate"):
+        assert step in drawn, step
+    assert not any(el.tag.endswith(("script", "image", "foreignObject")) for el in svg.iter())  # self-contained
+    algorithms = (site / "reference" / "algorithms.html").read_text()
+    assert "previous local model; defaults μ = 1, τ = 0.5 (the authors' code).</td>" in algorithms  # moon, whole
+
+
+@pytest.mark.parametrize("kind,name,component", built_ins(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_built_in_parameter_has_a_description(kind, name, component):
+    undescribed = [p.name for p in parameters(component) if not p.description and p.name not in supplied(kind)]
+    assert not undescribed, f"{kind} {name}: no description for {undescribed}"
+
+
+def test_every_built_in_summary_is_the_first_whole_sentence():
+    for kind, name, component in built_ins():
+        summary = summary_line(component)
+        assert summary and summary[-1] in ".!?", (kind, name, summary)
+        assert " ".join(docstring(component).split()).startswith(summary[:-1]), (kind, name)
+
+
+def test_the_summary_is_a_whole_sentence_and_skips_abbreviations():
+    def documented(doc):
+        def component():
+            pass
+
+        component.__doc__ = doc
+        return summary_line(component)
+
+    assert documented("One line.") == "One line."
+    assert documented("A sentence that goes on\nto a second line. Then more.") == "A sentence that goes on to a second line."
+    assert documented("Moon (Li et al. 2021, eq. 3-4): a. b (Alg. 2). Next.") == "Moon (Li et al. 2021, eq. 3-4): a. b (Alg. 2)."
+    assert documented("Term (paper ``x``): CE(z, y), with\n\n- a list") == "Term (paper ``x``)."
+    assert documented("No full stop") == "No full stop."
+    assert documented("") == ""
+
+
+def test_parameter_descriptions_come_from_fields_or_the_docstring_args_section():
+    def factory(width: int = 16, depth: int = 2, in_chans: int = 3):
+        """A net.
+
+        Args:
+            width: channels of the first layer,
+                doubled in the second
+            depth (int): number of layers
+
+        Then more text.
+        """
+
+    described = {p.name: p.description for p in parameters(factory)}
+    assert described == {"width": "channels of the first layer, doubled in the second",
+                         "depth": "number of layers", "in_chans": ""}
+    assert docstring(factory) == "A net.\n\nThen more text."  # the section is shown as the table
+
+    class Base(BaseModel):
+        rate: float = Field(0.1, description="learning rate")
+
+    class Child(Base):  # redefined only to change the default
+        rate: float = 0.5
+
+    assert [(p.name, p.default, p.description) for p in parameters(Child)] == [("rate", "0.5", "learning rate")]
+
+
+def test_the_generator_refuses_a_parameter_without_a_description():
+    hooks = load_hooks()
+
+    def undocumented(size: int = 3):
+        """A partitioner whose parameter is not described."""
+
+    import fedlt.partitioners
+
+    with fedlt.partitioners.REGISTRY.temporary("undocumented", undocumented):
+        assert hooks.undescribed() == ["partitioners/undocumented: size"]
+        with pytest.raises(PluginError, match="partitioners/undocumented: size"):
+            hooks.on_config(type("Config", (), {"nav": []})())
+    assert hooks.undescribed() == []
+
+
+def test_a_new_registry_kind_gets_a_reference_page_and_a_nav_entry(monkeypatch):
+    hooks = load_hooks()
+    widgets = Registry("widget")
+
+    @widgets.register("knob")
+    def knob(turns: int = 1):
+        """A knob. It turns.
+
+        Args:
+            turns: how far it turns
+        """
+
+    kinds = {**registries(), "widgets": widgets}
+    monkeypatch.setattr(fedlt.components, "registries", lambda: kinds)
+    page = hooks.kind_page("widgets")
+    assert page.startswith("# Widgets\n") and "| [`knob`](#knob) | A knob. |" in page
+    assert "| `turns` | `1` | int | how far it turns |" in page
+    config = type("Config", (), {"nav": [{"Home": "index.md"}, {"Reference": []}]})()
+    reference = hooks.on_config(config).nav[1]["Reference"]
+    assert {"Widgets": "reference/widgets.md"} in reference and reference[-1] == {"Command line": "reference/cli.md"}
+    assert len(reference) == len(kinds) + 1
 
 
 @pytest.fixture

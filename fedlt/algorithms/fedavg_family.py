@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.func import functional_call
 
@@ -240,8 +240,8 @@ class Federated(BaseModel):
 class FedAvgFamily(Federated):
     """Local objective ``loss`` (a loss expression, SPEC §2) aggregated by ``aggregator`` (SPEC §4)."""
 
-    loss: LossExpression = "ce"
-    aggregator: AggregatorSpec = "fedavg"
+    loss: LossExpression = Field("ce", description="the local objective, a loss expression (SPEC §2)")
+    aggregator: AggregatorSpec = Field("fedavg", description="the server's aggregator spec (SPEC §4)")
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         return Strategy(model, build_aggregator(self.aggregator), ctx, self.loss)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 
 from fedlt.algorithms import preset, split_client, split_server
@@ -117,12 +117,16 @@ class SplitLearning(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    client: SessionSpec = "activation"
-    server: ServerSpec = "concat"
-    client_loss: LossExpression = "logit_adjust"
-    server_loss: LossExpression = "logit_adjust"
-    server_prior: Literal["batch", "participants"] = "batch"
-    aggregator: AggregatorSpec = "fedavg"
+    client: SessionSpec = Field("activation", description="the client session (spec): activation, "
+                                "activation(keep_part=True) for SplitFed V3, local_loss, or a plugin's")
+    server: ServerSpec = Field("concat", description="the server side (spec): concat (SCALA), sequential "
+                               "(SplitFed V2), copies (SplitFed V1/V3), or a plugin's")
+    client_loss: LossExpression = Field("logit_adjust", description="the clients' loss expression (SPEC §2)")
+    server_loss: LossExpression = Field("logit_adjust", description="the server's loss expression (SPEC §2)")
+    server_prior: Literal["batch", "participants"] = Field(
+        "batch", description="the server loss's label counts: the batch it sees, or the round's participants pooled")
+    aggregator: AggregatorSpec = Field("fedavg", description="how the client parts are aggregated (spec; a server "
+                                       "optimiser such as fedadam acts on the client part)")
 
     _ctx: RunContext = PrivateAttr()
     _strategy: SplitStrategy = PrivateAttr()

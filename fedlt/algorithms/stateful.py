@@ -193,7 +193,7 @@ class FedDyn(FedAvgFamily):
     g_k and a server state h; default α = 0.01 (the authors' CIFAR setting) and the paper's
     unweighted ``mean`` of the client models."""
 
-    alpha: NonNegative = 0.01
+    alpha: NonNegative = Field(0.01, description="weight α of the dynamic regulariser")
     aggregator: AggregatorSpec = "mean"
 
     def client_fn(self) -> ClientUpdate:
@@ -258,8 +258,8 @@ class Moon(FedAvgFamily):
     local, the received global and the client's previous local model; defaults μ = 1, τ = 0.5
     (the authors' code). The representation is the classifier's input (see ``features_of``)."""
 
-    mu: NonNegative = 1.0
-    temperature: Positive = 0.5
+    mu: NonNegative = Field(1.0, description="weight μ of the contrastive term ℓ_con")
+    temperature: Positive = Field(0.5, description="temperature τ of ℓ_con's cosine similarities")
 
     def client_fn(self) -> ClientUpdate:
         return MoonUpdate(self.mu, self.temperature)
@@ -295,7 +295,7 @@ class FedDecorr(FedAvgFamily):
     """FedDecorr (Shi et al. 2023, eq. 5): objective + β·decorrelation of the representation
     before the classifier; default β = 0.1 (the authors' code)."""
 
-    beta: NonNegative = 0.1
+    beta: NonNegative = Field(0.1, description="weight β of the decorrelation term")
 
     def client_fn(self) -> ClientUpdate:
         return DecorrUpdate(self.beta)
@@ -332,7 +332,7 @@ class FedSAM(FedAvgFamily):
     SAM as the local optimiser's gradient; default ρ = 0.05 (SAM's default, as in the paper's
     CIFAR runs)."""
 
-    rho: NonNegative = 0.05
+    rho: NonNegative = Field(0.05, description="radius ρ of SAM's ascent step")
 
     def client_fn(self) -> ClientUpdate:
         return SamUpdate(self.rho)

@@ -93,6 +93,10 @@ class LogitAdjust(LossTerm):
     SCALA's client loss (eq. 15), FedLogit and FedVLS's L_cal. ``eps`` keeps a class with
     n_c = 0 at a finite offset (tau·log 1e-12 ≈ −27.6·tau), never −inf. Defaults tau=1,
     eps=1e-12 (SCALA's code); the ``fedvls`` preset uses eps=1e-9 (FedVLS's code).
+
+    Args:
+        tau: strength τ of the offset τ·log(p + eps)
+        eps: added to p, so that an absent class's offset stays finite
     """
 
     name = "logit_adjust"
@@ -139,6 +143,11 @@ class FedLC(LossTerm):
     the client's whole local set. ``form="paper"``: the printed eq. 7, with the target left out
     of the denominator, −(z_y − Δ_y) + log Σ_{c≠y} e^{z_c − Δ_c}; it is unbounded below and exists
     for fidelity studies (a sample with no other present class contributes 0).
+
+    Args:
+        tau: calibration strength τ of the offset τ·n_c^(−1/4)
+        form: ``code`` (softmax over all present classes) or ``paper`` (eq. 7: the target left out of the
+            denominator)
     """
 
     name = "fedlc"

@@ -137,6 +137,16 @@ class SGB(LossTerm):
     zeta=0.5 (the authors' code). ``seed`` seeds the gating generator, whose state is part of
     ``state_dict`` so a resumed run draws the same gates. Do not call it outside training: every
     call advances the state.
+
+    Args:
+        base: base loss: ``sigmoid`` (per-class BCE, the authors' code) or ``softmax`` (CE, the paper's text)
+        kp: proportional gain of the per-class PID controller
+        ki: its integral gain
+        kd: its derivative gain
+        gamma: ceiling γ of the weight map φ(x) = γ / (1 + δ·e^(−ζ·x))
+        delta: δ of φ (φ(0) = γ / (1 + δ))
+        zeta: slope ζ of φ
+        prior: gating prior P (length C, e.g. from ``dpa``); None: no gating
     """
 
     name = "sgb"
@@ -279,6 +289,14 @@ class FedGraB(SGB):
 
     Build it at the start of each round's local training with that round's classifier and load
     the client's saved state; the SGB parameters keep their defaults unless given.
+
+    Args:
+        kp: proportional gain of the per-class PID controller
+        ki: its integral gain
+        kd: its derivative gain
+        gamma: ceiling γ of the weight map φ(x) = γ / (1 + δ·e^(−ζ·x))
+        delta: δ of φ (φ(0) = γ / (1 + δ))
+        zeta: slope ζ of φ
     """
 
     name = "fedgrab"

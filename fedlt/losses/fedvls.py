@@ -72,6 +72,9 @@ class VacantKD(LossTerm):
     skips the teacher's forward pass); otherwise
     (1/B)·Σ_i KL(softmax(t_i[O]/T) ‖ softmax(z_i[O]/T))·T², t = logits of the global model
     received this round, passed as ``teacher_logits`` and never differentiated. Default T=1.
+
+    Args:
+        T: distillation temperature T
     """
 
     name = "vacant_kd"
@@ -126,6 +129,9 @@ class LogitSuppression(LossTerm):
     A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C) when y_i ≠ c and 0 when y_i = c.
     ``variant="paper"`` (eqs. 4–5): Σ_c p_c·log((1/B)·Σ_i 1[y_i ≠ c]·e^{z_ic}); unbounded below
     (all logits can drop together), for fidelity studies.
+
+    Args:
+        variant: ``reference`` (the authors' code, which produced the paper's numbers) or ``paper`` (eqs. 4–5)
     """
 
     name = "logit_suppression"
@@ -159,7 +165,11 @@ class LogitSuppression(LossTerm):
 class FedVLS(Composite):
     """FedVLS's local objective (SPEC §2 ``fedvls``):
     logit_adjust(tau=1, eps=1e-9) + lam·vacant_kd(T=1) + logit_suppression("reference").
-    Default lam=0.1 (the authors' code)."""
+    Default lam=0.1 (the authors' code).
+
+    Args:
+        lam: weight λ of the vacant-class distillation ``vacant_kd``
+    """
 
     name = "fedvls"
 

@@ -75,6 +75,10 @@ class FedRS(LossTerm):
     baseline code runs). The authors scale h·w_c (the classifier without its bias); a loss term
     sees the logits, so s scales z_c = h·w_c + b_c (the same for a bias-free classifier).
     Default alpha=0.5; 0 ≤ alpha ≤ 1 (alpha = 1 is CE).
+
+    Args:
+        alpha: scale α of a class absent locally, in [0, 1] (1 is CE)
+        form: ``code`` (s_c = α + (1 − α)·n_c / max_k n_k) or ``paper`` (s_c = 1 if n_c > 0 else α)
     """
 
     name = "fedrs"
@@ -120,6 +124,10 @@ class FedNTD(LossTerm):
     p̃_i = softmax(z_i[c ≠ y_i]/tau) and q̃_i = softmax(t_i[c ≠ y_i]/tau) the not-true
     distributions of the local and the global model (t = ``teacher_logits``, never
     differentiated). Defaults tau=1, beta=1 (the authors' code); FedVLS's baselines use beta=0.1.
+
+    Args:
+        tau: distillation temperature τ
+        beta: weight β of the not-true distillation term
     """
 
     name = "fedntd"
@@ -157,6 +165,10 @@ class FedLMD(LossTerm):
     exactly. A sample whose teacher pool is empty (every other class is major) contributes 0.
     Defaults tau=1, beta=1 (the authors' config); FedVLS's baselines use beta=0.1. With equal
     counts (M empty) it is ``fedntd``.
+
+    Args:
+        tau: distillation temperature τ
+        beta: weight β of the distillation term
     """
 
     name = "fedlmd"
@@ -194,6 +206,9 @@ class FedIR(LossTerm):
     Σ_i w_{y_i}·CE_i / Σ_i w_{y_i} (torch's weighted mean). ``form="paper"``:
     (1/B)·Σ_i w_{y_i}·CE_i, the importance-weighted empirical risk. As in that code, a class
     absent locally takes the smallest non-zero local count for p (so every weight is finite).
+
+    Args:
+        form: ``code`` (weighted mean Σ w·CE / Σ w, Fed-GraB's code) or ``paper`` ((1/B)·Σ w·CE)
     """
 
     name = "fedir"

@@ -76,6 +76,12 @@ class LDAM(LossTerm):
     gets the largest margin and weight (finite; it is never a target). Defaults max_margin=0.5,
     s=30, reweight=False, beta=0.9999. The authors pair it with a cosine classifier (normalised
     features and weights); with a plain linear head s=30 sharpens the logits 30-fold.
+
+    Args:
+        max_margin: the largest class margin (margins ∝ n_c^(−1/4))
+        s: logit scale s
+        reweight: the DRW stage: class-balanced weights on the samples
+        beta: β of the class-balanced weights (1 − β)/(1 − β^{n_c})
     """
 
     name = "ldam"
@@ -157,6 +163,9 @@ class BalancedSoftmax(LossTerm):
 class Focal(LossTerm):
     """Focal loss (Lin et al., ICCV'17), softmax form as in the long-tail baselines:
     (1/B)·Σ_i −(1 − p_{i,y_i})^gamma·log p_{i,y_i}. Default gamma=2 (the paper's); gamma=0 is CE.
+
+    Args:
+        gamma: focusing exponent γ (0 is CE)
     """
 
     name = "focal"
@@ -189,6 +198,11 @@ class EQLv2(LossTerm):
 
     Defaults gamma=12, mu=0.8, alpha=4 (the paper's). Do not call it outside training: every
     call advances the state.
+
+    Args:
+        gamma: steepness γ of the negative weight w_neg = σ(γ·(pos_neg − μ))
+        mu: centre μ of that sigmoid
+        alpha: boost α of the positive weight, w_pos = 1 + α·(1 − w_neg)
     """
 
     name = "eqlv2"
@@ -280,6 +294,11 @@ class GCL(LossTerm):
     generator seeded by ``seed``, whose state is this term's state, so a resumed run draws the
     same noise. Like LDAM it is meant for a cosine classifier; the authors' second stage
     (classifier re-balancing) is not part of the term.
+
+    Args:
+        m: margin m subtracted from the target logit
+        s: logit scale s
+        noise_mul: size of the Gaussian cloud (the factor on |ε| ⊙ r)
     """
 
     name = "gcl"

@@ -26,6 +26,9 @@ class FedProx(LossTerm):
     ``global_params`` are the received global model's tensors, copied at construction (so
     training a model that shares their storage cannot move the anchor); the call's ``params=``
     must be the same tensors of the local model, in the same order.
+
+    Args:
+        mu: weight μ of the proximal term (μ/2)·‖w − w_global‖²
     """
 
     name = "fedprox"

@@ -32,6 +32,7 @@ register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, 
 
 @register("alexnet")
 def alexnet(in_chans: int = 3, num_classes: int = 10, image_size: int = 32) -> AlexNet:
+    """SCALA's AlexNet (14 layers, cut points s1..s5) for 28×28 or 32×32 images."""
     if image_size not in (28, 32):
         raise FedltError(f"model alexnet needs 28x28 or 32x32 inputs, got image_size={image_size}")
     return AlexNet(in_chans, num_classes)
@@ -39,6 +40,7 @@ def alexnet(in_chans: int = 3, num_classes: int = 10, image_size: int = 32) -> A
 
 @register("mlp")
 def mlp(in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> MLP:
+    """FedVLS's MNIST MLP: the flattened image, two hidden layers of 200 with ReLU, a linear classifier."""
     return MLP(in_chans * image_size * image_size, num_classes)
 
 
