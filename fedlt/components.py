@@ -26,12 +26,16 @@ def registries() -> dict[str, Registry]:
     import fedlt.losses
     import fedlt.models
     import fedlt.partitioners
+    import fedlt.posthoc
+    from fedlt.algorithms import split_client, split_server
+    from fedlt.engine import ENGINES
     from fedlt.models.splitting import SPLITTERS
 
     return {"algorithms": fedlt.algorithms.REGISTRY, "datasets": fedlt.datasets.REGISTRY,
             "partitioners": fedlt.partitioners.REGISTRY, "models": fedlt.models.REGISTRY,
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
-            "splitters": SPLITTERS}
+            "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
+            "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:
@@ -39,7 +43,9 @@ def supplied(kind: str) -> tuple[str, ...]:
     from fedlt.losses import SETUP_KEYS
     from fedlt.models import DATASET_KEYS
 
-    return {"losses": SETUP_KEYS, "models": DATASET_KEYS, "datasets": ("root", "download")}.get(kind, ())
+    engine = ("config", "resume", "on_round", "on_start", "options")  # what the run loop passes an engine
+    return {"losses": SETUP_KEYS, "models": DATASET_KEYS, "datasets": ("root", "download"),
+            "engines": engine, "posthoc": ("model",)}.get(kind, ())
 
 
 @dataclass(frozen=True)

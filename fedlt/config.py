@@ -127,8 +127,8 @@ class RunConfig(Strict):
     device: str = "cpu"
     fused: Literal["auto", "on", "off"] = Field("auto", description="fused loss path: auto (Triton on CUDA, the CPU "
                                                "path where measured faster), on, off (reference); docs/fused.md")
-    engine: Literal["local", "flower"] = Field("local", description="local: in this process; flower: Flower's "
-                                               "simulation runtime, a SuperNode per client (docs/flower.md)")
+    engine: str = Field("local", description="a registered engine: local (this process), flower (Flower's "
+                        "simulation runtime, a SuperNode per client: docs/flower.md), or a plugin's")
     eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
     groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")
     client_eval: bool = Field(False, description="also report each client's expected accuracy (docs/runs.md)")
@@ -217,36 +217,14 @@ class RunConfig(Strict):
             pass
         return spec
 
-    @field_validator("split")
+    @field_validator("engine")
     @classmethod
-    def _split_point_of_the_model(cls, split: str | None, info: ValidationInfo) -> str | None:
-        """A model that names its own cut points (AlexNet: s1..s5) is checked here, for every
-        algorithm: the FedAvg family never splits, so a typo would otherwise pass unnoticed. timm
-        models are checked when a split algorithm builds them (the default 's2' is AlexNet's)."""
-        model = info.data.get("model")
-        if split is None or model is None or model.startswith("timm:"):
-            return split
-        import torch
+    def _registered_engine(cls, engine: str) -> str:
+        from fedlt.engine import ENGINES
 
-        import fedlt.models
-        from fedlt.models.splitting import SPLITTERS, resolve_cut
-
-        name, params = fedlt.models.parse_model(model)
-
-        try:
-            with torch.device("meta"):  # the layer structure without allocating the weights
-                instance = fedlt.models.create(name, **params)
-        except Exception:  # a plugin model that needs its dataset's shape: the engine checks the split
-            return split
-        if not SPLITTERS.get("own").applies(instance):
-            return split
-        try:
-            resolve_cut(instance, split)
-        except FedltError:
-            names = list(instance.split_points())
-            raise ValueError(f"{split!r} is not a split point of {model} (valid: {', '.join(names)}, "
-                             f"or an index 0..{len(names) - 1})") from None
-        return split
+        if engine not in ENGINES.list():
+            raise ValueError(f"unknown engine {engine!r} (registered: {', '.join(ENGINES.list())})")
+        return engine
 
     @field_validator("device")
     @classmethod

@@ -187,7 +187,24 @@ def prepare(config: RunConfig, partition: Any = None) -> Prepared:
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: split={config.split} is checked here
+    check_split_point(algorithm.global_model(), config)
     return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx)
+
+
+def check_split_point(model: torch.nn.Module, config: RunConfig) -> None:
+    """A model that names its own cut points (AlexNet: s1..s5) has ``split`` checked for every
+    algorithm: the FedAvg family never splits, so a typo would otherwise pass unnoticed. Other
+    models are checked when a split algorithm cuts them (the default 's2' is AlexNet's)."""
+    from fedlt.models.splitting import SPLITTERS, resolve_cut
+
+    if config.split is None or not SPLITTERS.get("own").applies(model):
+        return
+    try:
+        resolve_cut(model, config.split)
+    except FedltError:
+        names = list(model.split_points())
+        raise FedltError(f"split: {config.split!r} is not a split point of {config.model} (valid: {', '.join(names)}, "
+                         f"or an index 0..{len(names) - 1})") from None
 
 
 @dataclass

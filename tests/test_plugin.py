@@ -15,13 +15,15 @@ import fedlt.losses
 import fedlt.models
 import fedlt.partitioners
 from fedlt.cli import app, main
+from fedlt.components import registries
 
-COMPONENTS = {"losses": "poly1", "partitioners": "zipf", "models": "tiny_cnn"}
+COMPONENTS = {"losses": "poly1", "partitioners": "zipf", "models": "tiny_cnn", "algorithms": "example_fedcm",
+              "aggregators": "lookahead", "split_servers": "grouped"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_plugin_is_installed_and_declares_its_three_entry_points():
+def test_plugin_is_installed_and_declares_its_entry_points():
     try:
         dist = distribution("fedlt-example")
     except PackageNotFoundError:
@@ -30,7 +32,7 @@ def test_plugin_is_installed_and_declares_its_three_entry_points():
     assert declared == {(f"fedlt.{kind}", name) for kind, name in COMPONENTS.items()}
 
 
-def test_fedlt_list_shows_the_three_components_with_their_origin():
+def test_fedlt_list_shows_every_component_with_its_origin():
     listed = CliRunner().invoke(app, ["list"], env={"COLUMNS": "200"})
     assert listed.exit_code == 0, listed.output
     rows = {tuple(c.strip() for c in line.split("│")[1:3]) for line in listed.output.splitlines() if "│" in line}
@@ -38,9 +40,8 @@ def test_fedlt_list_shows_the_three_components_with_their_origin():
     for kind, name in COMPONENTS.items():
         shown = CliRunner().invoke(app, ["list", kind, name], env={"COLUMNS": "200"})
         assert shown.exit_code == 0 and "plugin 'fedlt-example'" in shown.output, shown.output
-    registries = {"losses": fedlt.losses, "partitioners": fedlt.partitioners, "models": fedlt.models}
     for kind, name in COMPONENTS.items():
-        assert registries[kind].get(name).__module__.startswith("fedlt_example")
+        assert registries()[kind].get(name).__module__.startswith("fedlt_example")
 
 
 def test_a_one_round_cli_run_uses_all_three(tmp_path, capsys):
