@@ -91,7 +91,17 @@ class Upload:
     teacher_activations: torch.Tensor | None = None
 
 
-for _cls in (ClientTask, ClientResult, Upload, RoundContext, ModelSpec, LocalSchedule):
+@dataclass
+class ClientFailure:
+    """A participant that did not return, in place of its result or upload: its id and why —
+    ``unavailable``, ``late`` (past the round's deadline) or ``failed: <first line of its error>``.
+    A transport (a runner) reports it; the round's fault policy decides what it does."""
+
+    cid: int
+    reason: str
+
+
+for _cls in (ClientTask, ClientResult, Upload, ClientFailure, RoundContext, ModelSpec, LocalSchedule):
     wire.register(_cls)
 
 
