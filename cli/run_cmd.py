@@ -96,6 +96,16 @@ def set_value(text: str) -> tuple[list[str], Any]:
         return path, raw  # a bare word is a string
 
 
+def number(text: str, flag: str) -> int | float:
+    """An integer, else a decimal, from a flag's text; anything else is one line naming the flag."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise FedltError(f"{flag}: expected a number, got {text!r}")
+
+
 def nest(path: list[str], value: Any) -> dict[str, Any]:
     out: Any = value
     for key in reversed(path):
@@ -165,6 +175,12 @@ def run(
                                              "(repeatable; VALUE none unsets)"),
     engine: Optional[str] = typer.Option(None, help="local (default) or flower: Flower's simulation runtime, "
                                                     "a SuperNode per client (docs/flower.md)"),
+    availability: Optional[str] = typer.Option(None, help="client availability spec: always, 'bernoulli(p=0.7)', "
+                                               "'markov(p_on=0.8, p_off=0.3)', 'straggler(fraction=0.2)' (docs/faults.md)"),
+    min_results: Optional[str] = typer.Option(None, help="sampled clients that must return: a count (an integer, "
+                                              "e.g. 3) or a share (a decimal, e.g. 0.5; 1.0 = all)"),
+    round_timeout: Optional[float] = typer.Option(None, help="deadline of a round in seconds (late clients drop)"),
+    on_failure: Optional[str] = typer.Option(None, help="a failed or late client: stop the run, or drop it"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
@@ -197,6 +213,13 @@ def run(
     overrides.update({k: unsettable(v) for k, v in optional.items() if v is not None})
     if groups is not None:
         overrides["groups"] = {"rule": groups}
+    if availability is not None:
+        overrides["availability"] = availability
+    faults = {k: v for k, v in dict(round_timeout=round_timeout, on_failure=on_failure).items() if v is not None}
+    if min_results is not None:  # an integer is a count, a decimal a share of the sampled clients
+        faults["min_results"] = number(min_results, "--min-results")
+    if faults:
+        overrides["faults"] = faults
     optimiser = {k: v for k, v in dict(lr=lr, momentum=momentum, weight_decay=weight_decay).items() if v is not None}
     if clip is not None:
         optimiser["clip"] = unsettable(clip)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
@@ -92,6 +93,27 @@ class Groups(Strict):
         return self
 
 
+class Faults(Strict):
+    """The round policy (docs/faults.md): how many of the sampled clients must return, by when,
+    and what a failed client does."""
+
+    min_results: Annotated[int, Field(ge=1, strict=True)] | Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = \
+        Field(1.0, description="sampled clients that must return for the round to be applied: a count "
+                               "(an integer >= 1) or a share (a float in (0, 1]; 1.0: all of them)")
+    round_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="deadline of a round in seconds: a client past it is dropped as late (the "
+                          "availability's simulated clock; on Flower, also the wait for replies)")
+    on_failure: Literal["stop", "drop"] = Field(
+        "stop", description="a client that fails or is late: stop the run with its error (stop), or leave it "
+                            "out of the round (drop)")
+
+    def required(self, sampled: int) -> int:
+        """How many of ``sampled`` clients must return."""
+        if isinstance(self.min_results, int):
+            return min(self.min_results, sampled)
+        return max(1, math.ceil(self.min_results * sampled - 1e-9))
+
+
 class RunConfig(Strict):
     # data
     dataset: str = "mnist"
@@ -127,6 +149,11 @@ class RunConfig(Strict):
     device: str = "cpu"
     fused: Literal["auto", "on", "off"] = Field("auto", description="fused loss path: auto (Triton on CUDA, the CPU "
                                                "path where measured faster), on, off (reference); docs/fused.md")
+    availability: dict[str, Any] = Field(default_factory=lambda: {"name": "always"},
+                                         description="client availability spec: always, bernoulli(p=...), "
+                                                     "markov(p_on=..., p_off=...), straggler(...), scripted(...)")
+    faults: Faults = Field(default_factory=Faults, description="the round policy: min_results, round_timeout, "
+                                                                "on_failure")
     engine: str = Field("local", description="a registered engine: local (this process), flower (Flower's "
                         "simulation runtime, a SuperNode per client: docs/flower.md), or a plugin's")
     eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
@@ -167,6 +194,25 @@ class RunConfig(Strict):
         import fedlt.partitioners
 
         return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
+
+    @field_validator("availability", mode="before")
+    @classmethod
+    def _availability_spec(cls, spec: Any) -> Any:
+        from fedlt.spec import parse_spec
+
+        if isinstance(spec, str):  # a spec string, as on the CLI
+            try:
+                return parse_spec(spec, "availability")
+            except FedltError as exc:
+                raise ValueError(str(exc)) from None
+        return spec
+
+    @field_validator("availability")
+    @classmethod
+    def _valid_availability(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        import fedlt.availability
+
+        return _check_component(fedlt.availability.REGISTRY, spec, "availability")
 
     @field_validator("posthoc")
     @classmethod

@@ -21,6 +21,7 @@ across rounds (SGB's gating) are part of the client states in the checkpoint.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import signal
@@ -36,18 +37,21 @@ import numpy as np
 import torch
 
 import fedlt.algorithms
+import fedlt.availability
 import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import io, rundir
-from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext
+from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext, from_spec
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
 from fedlt.errors import FedltError, first_line
+from fedlt.availability import Always
+from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.metrics import class_groups, evaluate
 from fedlt.registry import Registry
 
@@ -56,7 +60,9 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # what does not change a single number (device placement aside, which users may move on purpose).
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
 RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "fused", "eval_batch",
-                     "engine"}
+                     "engine", "faults.min_results", "faults.on_failure"}
+# (how many clients a round needs and what a failure does decide whether the run goes on, not
+# what a completed round computed: a run stopped below min_results may resume with a lower one)
 
 
 def _engine_check(obj: Any) -> str | None:
@@ -105,12 +111,18 @@ def load_partition(path: Path):
     return fedlt.partitioners.Partition.load(path)
 
 
-def sample_clients(num_clients: int, participation: float, sampling_seed: int, round_index: int) -> list[int]:
+def sample_clients(num_clients: int, participation: float, sampling_seed: int, round_index: int,
+                   available: list[int] | None = None) -> list[int]:
     """round(r·K) clients (at least 1) without replacement; a stream of its own per round, so
-    resuming at any round draws what the uninterrupted run drew."""
+    resuming at any round draws what the uninterrupted run drew. With ``available`` (availability
+    acting before sampling), the draw is among those clients only (all of them if fewer)."""
     m = max(int(round(participation * num_clients)), 1)
     rng = np.random.default_rng([sampling_seed, round_index])
-    return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+    if available is None:
+        return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+    if not available:
+        return []
+    return sorted(rng.choice(np.asarray(available), size=min(m, len(available)), replace=False).tolist())
 
 
 def round_seed(sampling_seed: int, round_index: int) -> int:
@@ -121,7 +133,13 @@ def round_seed(sampling_seed: int, round_index: int) -> int:
 
 def config_digest(config: RunConfig) -> str:
     """What must match for a resume: every setting that can change a number in the results."""
-    relevant = config.model_dump(mode="json", exclude=RESUMABLE_CHANGES)
+    relevant = config.model_dump(mode="json")
+    for name in RESUMABLE_CHANGES:
+        *parents, leaf = name.split(".")
+        node = relevant
+        for parent in parents:
+            node = node.get(parent, {})
+        node.pop(leaf, None)
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
@@ -137,7 +155,11 @@ def config_changes(saved: dict[str, Any], config: RunConfig) -> list[str]:
         elif a != b:
             yield prefix.rstrip(".")
 
-    return [name for name in walk(saved, now, "") if name.split(".")[0] not in RESUMABLE_CHANGES]
+    def resumable(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in RESUMABLE_CHANGES for i in range(1, len(parts) + 1))
+
+    return [name for name in walk(saved, now, "") if not resumable(name)]
 
 
 def group_classes(train_counts: np.ndarray, config: RunConfig) -> dict[str, np.ndarray]:
@@ -183,11 +205,12 @@ def prepare(config: RunConfig, partition: Any = None) -> Prepared:
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds,
     )
+    with torch.device("meta"):  # the layer structure without allocating the weights
+        check_split_point(model_spec.build(), config)
     algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
-        algorithm.setup(ctx)  # builds (and splits) the model: split={config.split} is checked here
-    check_split_point(algorithm.global_model(), config)
+        algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
     return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx)
 
 
@@ -306,7 +329,8 @@ def local_engine(config: RunConfig, *, resume: bool = False,
                  on_round: Callable[[int, dict[str, Any]], None] | None = None,
                  on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     """In this process: every participant in turn, each on its own copies of what it receives."""
-    return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner())
+    tolerate = config.faults.on_failure == "drop"
+    return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner(tolerate))
 
 
 @ENGINES.register("flower")
@@ -377,6 +401,10 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
             return "no checkpoint had been written yet"
         return f"the last good checkpoint (round {state.checkpoint_round}) is kept in {checkpoint_path}"
 
+    availability = from_spec(fedlt.availability.REGISTRY, config.availability)
+    policy = PolicyRunner(runner, availability, config.faults, config.seeds.sampling)
+    faults_possible = config.faults.on_failure == "drop" or not isinstance(availability, Always) \
+        or config.faults.round_timeout is not None
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     if on_start is not None:
         on_start(state.round)
@@ -385,7 +413,18 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
         while state.round < config.rounds:
             started = time.perf_counter()
             round_index = state.round
-            chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
+            if availability.when == "before" and not isinstance(availability, Always):
+                reachable = [c for c in range(config.clients)
+                             if availability.available(config.seeds.sampling, round_index, c)]
+                chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index,
+                                        available=reachable)
+            else:
+                chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
+            policy.begin(round_index, chosen)
+            # a round that ends below min_results is not applied: keep the last complete round's
+            # state when it is not on disk already (checkpoint_every > 1)
+            before = (copy.deepcopy((algorithm.state_dict(), state.client_states.state_dict()))
+                      if faults_possible and state.checkpoint_round != state.round else None)
             clients = []
             for cid in chosen:
                 idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
@@ -393,8 +432,16 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
             try:
                 row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
                                        **train_round(algorithm, prep.ctx, round_index, clients, state.client_states,
-                                                     runner)}
+                                                     policy)}
+                row.update(policy.log.row())
                 _check_model_finite(algorithm.global_model(), "aggregation")
+            except RoundIncomplete as exc:
+                if before is not None:  # the last complete round, as it was, onto disk
+                    algorithm.load_state_dict(before[0])
+                    state.client_states.load_state_dict(before[1])
+                    save_checkpoint()
+                raise RoundIncomplete(f"{exc}; the round is not applied, {kept()}; resume with: fedlt run --resume "
+                                      f"{out} (e.g. with a lower --min-results)") from None
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None
             except ValueError as exc:

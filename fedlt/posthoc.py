@@ -27,6 +27,10 @@ def tau_norm(model: nn.Module, *, tau: float = 1.0, bias: str = "drop") -> nn.Mo
     ``bias="drop"`` (default, the authors' code: logits = f·W̃ᵀ with no bias term) sets the
     classifier's bias to 0; ``bias="keep"`` leaves it as trained (Fed-GraB's ``norm.py``). A row
     of norm 0 stays 0. The classifier is the one ``fedlt.models.classifier`` finds.
+
+    Args:
+        tau: the exponent of the row norms (0: unchanged; 1: unit rows).
+        bias: ``drop`` (set the classifier's bias to 0) or ``keep`` it as trained.
     """
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau == tau \
             or tau in (float("inf"), float("-inf")) or tau < 0:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fedlt import wire
+from fedlt.errors import first_line
 from fedlt.algorithms.base import ClientData, LocalSchedule
 from fedlt.context import ModelSpec, RoundContext
 
@@ -106,17 +107,22 @@ for _cls in (ClientTask, ClientResult, Upload, ClientFailure, RoundContext, Mode
 
 
 class Sessions(Protocol):
-    """The round's split-learning sessions, driven together."""
+    """The round's split-learning sessions, driven together. An entry is None (forward, finish)
+    for a participant that has left the round — told to leave (``drop``) or lost (a transport
+    that tolerates failures reports a ClientFailure there instead, once)."""
 
-    def forward(self) -> list[Upload]: ...
+    def forward(self) -> list[Upload | ClientFailure | None]: ...
     def backward(self, grads: list[torch.Tensor | None]) -> None: ...
-    def finish(self) -> list[ClientResult]: ...
+    def finish(self) -> list[ClientResult | ClientFailure | None]: ...
+    def drop(self, k: int) -> None: ...
 
 
 class ClientRunner(Protocol):
-    """An engine's way of running client work (STYLE.md: the engine drives the two sides)."""
+    """An engine's way of running client work (STYLE.md: the engine drives the two sides). A
+    transport that tolerates failures (the round policy's ``on_failure="drop"``) returns a
+    ClientFailure in place of a lost participant's result; otherwise a failure raises."""
 
-    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]: ...
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]: ...
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions: ...
 
 
@@ -215,31 +221,76 @@ class SeededSession:
 
 
 class LocalSessions:
-    """The round's sessions in this process, one after another."""
+    """The round's sessions in this process, one after another. ``tolerate``: a session whose
+    call raises leaves the round, reported once as a ClientFailure (its first error line) in the
+    next forward's or finish's output."""
 
-    def __init__(self, algorithm: Any, tasks: Sequence[ClientTask]) -> None:
-        self.sessions = [SeededSession(algorithm, isolated(t)) for t in tasks]
+    def __init__(self, algorithm: Any, tasks: Sequence[ClientTask], tolerate: bool = False) -> None:
+        self.tasks, self.tolerate = list(tasks), tolerate
+        self.gone: set[int] = set()
+        self.unreported: dict[int, ClientFailure] = {}
+        self.sessions = [self._guard(k, lambda t=t: SeededSession(algorithm, isolated(t)))
+                         for k, t in enumerate(self.tasks)]
 
-    def forward(self) -> list[Upload]:
-        return [s.forward() for s in self.sessions]
+    def _guard(self, k: int, call: Any) -> Any:
+        if not self.tolerate:
+            return call()
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
+            self.gone.add(k)
+            self.unreported[k] = ClientFailure(self.tasks[k].cid, f"failed: {first_line(exc)}")
+            return None
+
+    def _each(self, method: str, args: list | None = None) -> list:
+        out = [None if k in self.gone else
+               self._guard(k, lambda s=s, k=k: getattr(s, method)(*(() if args is None else (args[k],))))
+               for k, s in enumerate(self.sessions)]
+        for k, failure in self.unreported.items():
+            out[k] = failure
+        self.unreported = {}
+        return out
+
+    def forward(self) -> list[Upload | ClientFailure | None]:
+        return self._each("forward")
 
     def backward(self, grads: list[torch.Tensor | None]) -> None:
-        for s, g in zip(self.sessions, grads):
-            s.backward(g)
+        kept = self.unreported  # a failure in a backward is reported by the next call that returns
+        self.unreported = {}
+        for k, s in enumerate(self.sessions):
+            if k not in self.gone:
+                self._guard(k, lambda s=s, k=k: s.backward(grads[k]))
+        self.unreported = kept | self.unreported
 
-    def finish(self) -> list[ClientResult]:
-        return [s.finish() for s in self.sessions]
+    def finish(self) -> list[ClientResult | ClientFailure | None]:
+        return self._each("finish")
+
+    def drop(self, k: int) -> None:
+        self.gone.add(k)
 
 
 class LocalRunner:
     """The local engine's runner: every participant in this process, one after another, each on
-    its own copies of what it received."""
+    its own copies of what it received. ``tolerate``: a participant whose work raises becomes a
+    ClientFailure (its first error line) instead of stopping the run."""
 
-    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]:
-        return [run_client(algorithm, isolated(t)) for t in tasks]
+    def __init__(self, tolerate: bool = False) -> None:
+        self.tolerate = tolerate
+
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+        out: list[ClientResult | ClientFailure] = []
+        for t in tasks:
+            if not self.tolerate:
+                out.append(run_client(algorithm, isolated(t)))
+                continue
+            try:
+                out.append(run_client(algorithm, isolated(t)))
+            except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
+                out.append(ClientFailure(t.cid, f"failed: {first_line(exc)}"))
+        return out
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
-        return LocalSessions(algorithm, tasks)
+        return LocalSessions(algorithm, tasks, self.tolerate)
 
 
 class ClientStates:

@@ -263,7 +263,11 @@ class Activation:
     """SCALA / SplitFed: clients upload activations and get the gradient of their loss w.r.t.
     them back from the server. ``keep_part``: each client keeps its own client part between
     rounds (SplitFed V3; a newcomer starts from the initial part) instead of receiving the
-    average; the average is then the global model's client part, for evaluation only."""
+    average; the average is then the global model's client part, for evaluation only.
+
+    Args:
+        keep_part: each client keeps its own client part between rounds (SplitFed V3).
+    """
 
     trained_by_server = True
 

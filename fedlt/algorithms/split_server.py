@@ -92,8 +92,8 @@ class ServerSide:
     # -- the round -------------------------------------------------------------------------------
     def begin_round(self, round: RoundContext, tasks: Sequence[ClientTask]) -> None:
         self.round, self.tasks = round, list(tasks)
+        self.gone: set[int] = set()  # participants that left the round (their uploads stop)
         self.start = {n: t.detach().clone() for n, t in self.module.state_dict().items()}
-        self.participants_counts = torch.stack([t.data.class_counts for t in tasks]).sum(0)
         self.client_objectives = []
         if self.trains_clients:
             for task in tasks:
@@ -109,13 +109,25 @@ class ServerSide:
     def server_for(self, k: int):
         return self.servers[0]
 
+    @property
+    def participants_counts(self) -> torch.Tensor:
+        """The pooled class counts of the participants still in the round (SPEC §3's
+        ``server_prior="participants"``: a client that left no longer counts)."""
+        return torch.stack([t.data.class_counts for k, t in enumerate(self.tasks) if k not in self.gone]).sum(0)
+
     def groups(self) -> list[list[int]]:
         """Which participants' activations each server forward takes, in order."""
         return [[k] for k in range(len(self.tasks))]
 
-    def step(self, uploads: Sequence[Upload]) -> list[torch.Tensor | None]:
+    def step(self, uploads: Sequence[Upload | None]) -> list[torch.Tensor | None]:
+        """One local iteration; a None upload is a participant that left the round: it is out of
+        every later forward (SCALA's concatenation shrinks) and gets no gradient."""
+        self.gone.update(k for k, u in enumerate(uploads) if u is None)
         grads: list[torch.Tensor | None] = [None] * len(uploads)
         for group in self.groups():
+            group = [k for k in group if k not in self.gone]
+            if not group:
+                continue
             for k, g in zip(group, self.forward_backward(self.server_for(group[0]), group, uploads)):
                 grads[k] = g
         return grads
@@ -123,12 +135,12 @@ class ServerSide:
     def end_round(self) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
         losses = torch.stack(self.server_losses)
         raise_first_non_finite(losses, f"server loss {self.server_loss!r}", "server forward")
-        for task, values in zip(self.tasks, self.client_losses):
-            if values:
+        for k, (task, values) in enumerate(zip(self.tasks, self.client_losses)):
+            if values and k not in self.gone:
                 raise_first_non_finite(torch.stack(values), f"client {task.cid}, client loss {task.objective!r}",
                                        "local iteration")
         states = {task.cid: side_state(full, weight_space=False)
-                  for task, (full, _) in zip(self.tasks, self.client_objectives)}
+                  for k, (task, (full, _)) in enumerate(zip(self.tasks, self.client_objectives)) if k not in self.gone}
         return states, {"train_loss": float(losses.double().mean())}
 
     # -- one server forward ----------------------------------------------------------------------
@@ -243,7 +255,8 @@ class CopiesServer(ServerSide):
 
     def end_round(self) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
         self.module.load_state_dict(fedlt.aggregators.weighted_average(
-            [(s.state(), float(len(t.data))) for s, t in zip(self.servers, self.tasks)]))
+            [(s.state(), float(len(t.data))) for k, (s, t) in enumerate(zip(self.servers, self.tasks))
+             if k not in self.gone]))
         return super().end_round()
 
 

@@ -21,9 +21,9 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedlt.algorithms.protocol import ClientResult, ClientTask, Upload
+from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, Upload
 from fedlt.config import RunConfig
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.flower import codec
 
 NODE_WAIT_S = 120.0  # how long to wait for the SuperNodes to connect
@@ -35,8 +35,11 @@ class FlowerRounds:
     the participants' partitions and collects the replies."""
 
     def __init__(self, grid: Grid, config: RunConfig, node_wait: float = NODE_WAIT_S,
-                 reply_wait: float = REPLY_WAIT_S) -> None:
+                 reply_wait: float | None = None) -> None:
+        # the round policy's deadline is the wait for replies too (docs/faults.md)
+        reply_wait = reply_wait or config.faults.round_timeout or REPLY_WAIT_S
         self.grid, self.config, self.node_wait, self.reply_wait = grid, config, node_wait, reply_wait
+        self.tolerate = config.faults.on_failure == "drop"  # a lost node's client is dropped, not fatal
         self.device = torch.device(config.device)
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
@@ -46,14 +49,14 @@ class FlowerRounds:
         self.exchange_s: list[float] = []  # wall time of each, send to last reply (benchmarks read it)
 
     # -- the runner ------------------------------------------------------------------------------
-    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult]:
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
         self.round_index = tasks[0].round_index if tasks else self.round_index
         contents = []
         for t in tasks:
             content = codec.task_content(t)
             content["client"] = ConfigRecord({"cid": t.cid})
             contents.append((t.cid, content))
-        return [codec.value(r, self.device) for r in self.send("train", contents)]
+        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in self.send("train", contents)]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "FlowerSessions":
         self.round_index = tasks[0].round_index if tasks else self.round_index
@@ -61,80 +64,116 @@ class FlowerRounds:
 
     # -- messages --------------------------------------------------------------------------------
     def nodes(self) -> dict[int, int]:
-        """Which node holds which partition: asked once, after waiting (bounded) for the nodes."""
+        """Which node holds which partition: asked once, after waiting (bounded) for the nodes;
+        asked again without waiting after a node was lost (a restarted SuperNode has a new id)."""
         if self._nodes is None:
-            deadline = time.monotonic() + self.node_wait
+            first = not hasattr(self, "_asked")
+            self._asked = True
+            deadline = time.monotonic() + (self.node_wait if first else 0.0)
             ids = list(self.grid.get_node_ids())
             while len(ids) < self.config.clients and time.monotonic() < deadline:
                 time.sleep(0.5)
                 ids = list(self.grid.get_node_ids())
             asked = [Message(RecordDict(), node, "query.partition") for node in ids]
-            replies = self._deliver(asked, "asking the SuperNodes for their partitions")
+            replies = [r for r in self._deliver(asked, "asking the SuperNodes for their partitions", first)
+                       if not r.has_error()]
             self._nodes = {int(r.content["node"]["partition_id"]): r.metadata.src_node_id for r in replies}
             missing = sorted(set(range(self.config.clients)) - set(self._nodes))
-            if missing:
+            if missing and (first or not self.tolerate):
                 raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {self.config.clients} after "
                                  f"{self.node_wait:.0f}s ({len(ids)} node(s) connected); start one per client with "
                                  "--node-config 'partition-id=K'")
         return self._nodes
 
-    def send(self, message_type: str, contents: list[tuple[int, RecordDict]]) -> list[RecordDict]:
-        """One message per participant, the replies' contents in the same order."""
+    def send(self, message_type: str, contents: list[tuple[int, RecordDict]]) -> list[RecordDict | ClientFailure]:
+        """One message per participant, the replies' contents in the same order; a participant
+        whose node is gone, failed or did not reply in time is a ClientFailure when failures are
+        tolerated (the node map is then asked again before the next exchange), else an error."""
         nodes = self.nodes()
         started = time.perf_counter()
-        messages = []
+        messages, out = [], {}
         for cid, content in contents:
+            if cid not in nodes:
+                out[cid] = ClientFailure(cid, "unavailable (no SuperNode holds its partition)")
+                continue
             content["run"] = self.run
             messages.append(Message(content, nodes[cid], message_type, group_id=str(self.round_index)))
         by_node = {r.metadata.src_node_id: r for r in self._deliver(messages, f"round {self.round_index + 1}")}
+        for cid, _ in contents:
+            if cid in out:
+                continue
+            reply = by_node.get(nodes[cid])
+            if reply is None:
+                out[cid] = ClientFailure(cid, f"late (no reply within {self.reply_wait:g} s)")
+            elif reply.has_error():
+                out[cid] = ClientFailure(cid, f"failed: {first_line(str(reply.error.reason))}")
+            else:
+                out[cid] = reply.content
+        if any(isinstance(v, ClientFailure) for v in out.values()):
+            self._nodes = None  # a node may have died or restarted under a new id
         self.exchanges += 1
         self.exchange_s.append(time.perf_counter() - started)
-        return [by_node[nodes[cid]].content for cid, _ in contents]
+        return [out[cid] for cid, _ in contents]
 
-    def _deliver(self, messages: list[Message], what: str) -> list[Message]:
-        replies = list(self.grid.send_and_receive(messages, timeout=self.reply_wait))
-        for reply in replies:
-            if reply.has_error():
-                raise FedltError(f"{what}: node {reply.metadata.src_node_id} failed: {reply.error.reason}")
-        if len(replies) < len(messages):
-            raise FedltError(f"{what}: {len(messages) - len(replies)} of {len(messages)} node(s) did not reply "
-                             f"within {self.reply_wait:.0f}s")
+    def _deliver(self, messages: list[Message], what: str, strict: bool | None = None) -> list[Message]:
+        """Send and wait (at most ``reply_wait``); unless failures are tolerated, an error reply
+        or a missing one is an error naming the node."""
+        replies = list(self.grid.send_and_receive(messages, timeout=self.reply_wait)) if messages else []
+        if (not self.tolerate) if strict is None else strict:
+            for reply in replies:
+                if reply.has_error():
+                    raise FedltError(f"{what}: node {reply.metadata.src_node_id} failed: {reply.error.reason}")
+            if len(replies) < len(messages):
+                raise FedltError(f"{what}: {len(messages) - len(replies)} of {len(messages)} node(s) did not reply "
+                                 f"within {self.reply_wait:.0f}s")
         return replies
 
 
 class FlowerSessions:
     """The round's split-learning sessions on their nodes. ``backward`` sends nothing by itself:
     the gradients ride on the next ``forward`` (or ``finish``) message, so a round of T local
-    iterations is T + 1 round trips per participant instead of 2T + 1."""
+    iterations is T + 1 round trips per participant instead of 2T + 1. A participant that left
+    (``drop``, or lost: a ClientFailure, reported once) gets no more messages."""
 
     def __init__(self, rounds: FlowerRounds, tasks: list[ClientTask]) -> None:
         self.rounds, self.tasks = rounds, tasks
         self.opened = False
         self.grads: list[torch.Tensor | None] = [None] * len(tasks)
+        self.gone: set[int] = set()
 
-    def _contents(self, finish: bool) -> list[tuple[int, RecordDict]]:
+    def _exchange(self, finish: bool) -> list:
+        live = [k for k in range(len(self.tasks)) if k not in self.gone]
         contents = []
-        for task, grad in zip(self.tasks, self.grads):
+        for k in live:
+            task, grad = self.tasks[k], self.grads[k]
             if self.opened:
-                content = RecordDict({f"grad.{k}": r for k, r in codec.records(grad, "activation gradient").items()})
+                content = RecordDict({f"grad.{key}": r for key, r in codec.records(grad, "activation gradient").items()})
             else:
                 content = codec.task_content(task)
                 content["client"] = ConfigRecord({"cid": task.cid})
             content["step"] = ConfigRecord({"finish": finish})
             contents.append((task.cid, content))
         self.opened, self.grads = True, [None] * len(self.tasks)
-        return contents
+        out: list = [None] * len(self.tasks)
+        for k, reply in zip(live, self.rounds.send("train.step", contents) if contents else []):
+            if isinstance(reply, ClientFailure):
+                self.gone.add(k)
+                out[k] = reply
+            else:
+                out[k] = codec.value(reply, self.rounds.device)
+        return out
 
-    def forward(self) -> list[Upload]:
-        replies = self.rounds.send("train.step", self._contents(finish=False))
-        return [codec.value(r, self.rounds.device) for r in replies]
+    def forward(self) -> list[Upload | ClientFailure | None]:
+        return self._exchange(finish=False)
 
     def backward(self, grads: list[torch.Tensor | None]) -> None:
         self.grads = list(grads)
 
-    def finish(self) -> list[ClientResult]:
-        replies = self.rounds.send("train.step", self._contents(finish=True))
-        return [codec.value(r, self.rounds.device) for r in replies]
+    def finish(self) -> list[ClientResult | ClientFailure | None]:
+        return self._exchange(finish=True)
+
+    def drop(self, k: int) -> None:
+        self.gone.add(k)
 
 
 app = ServerApp()
