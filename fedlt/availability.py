@@ -64,6 +64,11 @@ class Availability:
     def duration(self, seed: int, round_index: int, cid: int) -> float:
         return 0.0
 
+    def fault(self, seed: int, round_index: int, cid: int) -> str | None:
+        """A fault to inject into a reachable client's work: ``raise`` (its work fails) or ``nan``
+        (it returns a non-finite update); None for none (only ``scripted`` injects)."""
+        return None
+
     def leaves_at(self, seed: int, round_index: int, cid: int, iterations: int) -> int:
         """The local iteration (0-based) at which an unavailable split-learning client leaves."""
         return min(int(uniform(seed, round_index, cid, 2) * iterations), max(iterations - 1, 0))
@@ -86,13 +91,13 @@ class Bernoulli(Availability):
 
     Args:
         p: probability that a client is available in a round (0 < p <= 1).
-        when: ``before`` sampling (the server samples among the available) or ``after`` (a sampled
-            client fails during the round).
+        when: ``after`` sampling (default: a sampled client fails during the round) or ``before``
+            (the server samples among the available).
     """
 
     name = "bernoulli"
 
-    def __init__(self, p: float = 0.7, when: When = "before") -> None:
+    def __init__(self, p: float = 0.7, when: When = "after") -> None:
         self.p = _probability(self.name, "p", p, positive=True)
         self.when = _check_when(self.name, when)
 
@@ -113,12 +118,12 @@ class Markov(Availability):
     Args:
         p_on: probability that an offline client is back the next round.
         p_off: probability that an online client is gone the next round.
-        when: ``before`` sampling or ``after`` it (see the module).
+        when: ``after`` sampling (default) or ``before`` it (see the module).
     """
 
     name = "markov"
 
-    def __init__(self, p_on: float = 0.8, p_off: float = 0.3, when: When = "before") -> None:
+    def __init__(self, p_on: float = 0.8, p_off: float = 0.3, when: When = "after") -> None:
         self.p_on = _probability(self.name, "p_on", p_on, positive=True)
         self.p_off = _probability(self.name, "p_off", p_off)
         self.when = _check_when(self.name, when)
@@ -180,28 +185,43 @@ class Straggler(Availability):
 
 @register("scripted")
 class Scripted(Availability):
-    """Exactly the listed drops: ``drops`` is a list of ``[round, client]`` pairs (round counted
-    from 1, as in metrics.jsonl) whose client is unavailable in that round — for reproducing a
-    failure scenario and for tests.
+    """Exactly the listed faults, each a list of ``[round, client]`` pairs (round counted from 1,
+    as in metrics.jsonl): ``drops`` are unavailable in that round; ``fails`` have their work
+    raise an error inside the client (on a Flower node too); ``corrupts`` return a non-finite
+    update — for reproducing a failure scenario and for tests.
 
     Args:
         drops: ``[round, client]`` pairs, each an unavailable client in a round (1-based round).
-        when: ``before`` sampling or ``after`` it (see the module).
+        fails: ``[round, client]`` pairs whose client work raises an error.
+        corrupts: ``[round, client]`` pairs whose client returns a non-finite update.
+        when: ``before`` sampling or ``after`` it, for ``drops`` (see the module).
     """
 
     name = "scripted"
 
-    def __init__(self, drops: Any = (), when: When = "after") -> None:
-        try:
-            pairs = {(int(r), int(c)) for r, c in drops}
-        except (TypeError, ValueError):
-            raise FedltError(f"availability 'scripted': drops must be [round, client] pairs, got {drops!r}") from None
-        if any(isinstance(x, bool) for pair in drops for x in pair) or any(r < 1 or c < 0 for r, c in pairs):
-            raise FedltError(f"availability 'scripted': rounds count from 1 and clients from 0, got {drops!r}")
-        self.drops, self.when = frozenset(pairs), _check_when(self.name, when)
+    def __init__(self, drops: Any = (), fails: Any = (), corrupts: Any = (), when: When = "after") -> None:
+        self.drops, self.fails, self.corrupts = (_pairs(field, value) for field, value in
+                                                 (("drops", drops), ("fails", fails), ("corrupts", corrupts)))
+        self.when = _check_when(self.name, when)
 
     def available(self, seed: int, round_index: int, cid: int) -> bool:
         return (round_index + 1, cid) not in self.drops
 
+    def fault(self, seed: int, round_index: int, cid: int) -> str | None:
+        key = (round_index + 1, cid)
+        return "raise" if key in self.fails else "nan" if key in self.corrupts else None
+
     def __repr__(self) -> str:
         return f"scripted(drops={sorted(map(list, self.drops))}, when={self.when!r})"
+
+
+def _pairs(field: str, value: Any) -> frozenset[tuple[int, int]]:
+    try:
+        pairs = [(r, c) for r, c in value]
+    except (TypeError, ValueError):
+        raise FedltError(f"availability 'scripted': {field} must be [round, client] pairs, got {value!r}") from None
+    if any(isinstance(x, bool) or not isinstance(x, int) for pair in pairs for x in pair) \
+            or any(r < 1 or c < 0 for r, c in pairs):
+        raise FedltError(f"availability 'scripted': {field} are [round, client] integer pairs, rounds from 1 and "
+                         f"clients from 0, got {value!r}")
+    return frozenset(pairs)

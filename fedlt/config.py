@@ -98,8 +98,8 @@ class Faults(Strict):
     and what a failed client does."""
 
     min_results: Annotated[int, Field(ge=1, strict=True)] | Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = \
-        Field(1.0, description="sampled clients that must return for the round to be applied: a count "
-                               "(an integer >= 1) or a share (a float in (0, 1]; 1.0: all of them)")
+        Field(1, description="sampled clients that must return for the round to be applied: a count "
+                             "(an integer >= 1; default 1) or a share (a float in (0, 1]; 1.0: all of them)")
     round_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
         None, description="deadline of a round in seconds: a client past it is dropped as late (the "
                           "availability's simulated clock; on Flower, also the wait for replies)")

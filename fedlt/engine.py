@@ -419,8 +419,9 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
                 chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index,
                                         available=reachable)
             else:
+                reachable = None
                 chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
-            policy.begin(round_index, chosen)
+            policy.begin(round_index, chosen, reachable)
             # a round that ends below min_results is not applied: keep the last complete round's
             # state when it is not on disk already (checkpoint_every > 1)
             before = (copy.deepcopy((algorithm.state_dict(), state.client_states.state_dict()))

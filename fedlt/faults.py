@@ -13,6 +13,7 @@ aggregates over them by its own rule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,14 +34,16 @@ class RoundLog:
 
     sampled: list[int]
     dropped: dict[int, str] = field(default_factory=dict)
+    reachable: int | None = None  # availability acting before sampling: how many clients could be sampled
 
     @property
     def returned(self) -> list[int]:
         return [c for c in self.sampled if c not in self.dropped]
 
     def row(self) -> dict[str, Any]:
-        return {"sampled": list(self.sampled), "returned": self.returned,
-                "dropped": {str(c): r for c, r in sorted(self.dropped.items())}}
+        row: dict[str, Any] = {"sampled": list(self.sampled), "returned": self.returned,
+                               "dropped": {str(c): r for c, r in sorted(self.dropped.items())}}
+        return row if self.reachable is None else row | {"reachable": self.reachable}
 
 
 def finite_update(result: ClientResult) -> bool:
@@ -56,8 +59,9 @@ class PolicyRunner:
         self.transport, self.availability, self.faults, self.seed = transport, availability, faults, sampling_seed
         self.log = RoundLog([])
 
-    def begin(self, round_index: int, sampled: Sequence[int]) -> None:
-        self.round_index, self.log = round_index, RoundLog(list(sampled))
+    def begin(self, round_index: int, sampled: Sequence[int], reachable: Sequence[int] | None = None) -> None:
+        self.round_index = round_index
+        self.log = RoundLog(list(sampled), reachable=None if reachable is None else len(reachable))
 
     # -- what is decided before a task goes out ----------------------------------------------------
     def _late(self, cid: int) -> str | None:
@@ -69,6 +73,10 @@ class PolicyRunner:
 
     def _fails_during_round(self, cid: int) -> bool:
         return self.availability.when == "after" and not self.availability.available(self.seed, self.round_index, cid)
+
+    def _with_fault(self, task: ClientTask) -> ClientTask:
+        fault = self.availability.fault(self.seed, self.round_index, task.cid)
+        return dataclasses.replace(task, fault=fault) if fault else task
 
     def drop(self, cid: int, reason: str) -> None:
         """Record a lost participant; under ``on_failure="stop"`` a failure (not an unavailable
@@ -94,7 +102,7 @@ class PolicyRunner:
             if reason:
                 self.drop(t.cid, reason)
             else:
-                live.append(t)
+                live.append(self._with_fault(t))
         results = []
         for outcome in (self.transport.call(algorithm, live) if live else []):
             if isinstance(outcome, ClientFailure):
@@ -123,7 +131,8 @@ class PolicySessions:
         self.leaves = {k: runner.availability.leaves_at(runner.seed, runner.round_index, tasks[k].cid, iterations)
                        for k in self.live if runner._fails_during_round(tasks[k].cid)}
         self.gone = set(range(len(tasks))) - set(self.live)
-        self.inner = runner.transport.exchange(algorithm, [tasks[k] for k in self.live]) if self.live else None
+        self.inner = (runner.transport.exchange(algorithm, [runner._with_fault(tasks[k]) for k in self.live])
+                      if self.live else None)
         self.iteration = 0
 
     def _late(self, task: ClientTask) -> bool:

@@ -27,17 +27,24 @@ from fedlt.testing import check_engines  # noqa: E402
 DROPOUT = {"model": "tiny_cnn(width=4, dropout=0.5)"}  # the example plugin's model, dropout before the classifier
 
 
-def test_every_registered_algorithm_gives_one_answer_on_every_engine(one_thread):
+def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_dropped_clients(one_thread):
     """Local and Flower simulation: same global weights, server state and client states after 2
-    rounds, and a Flower run cut after round 1 and resumed ends where the uninterrupted one does."""
-    cases = [*fedlt.algorithms.list(),
-             ("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Adam's moments)
+    rounds in which one sampled client drops out each round (a split-learning client leaves
+    mid-exchange), a Flower run cut after round 1 and resumed ends where the uninterrupted one
+    does, and a dropped client's state does not change."""
+    assert "example_fedcm" in fedlt.algorithms.list()  # the plugin's algorithm is among the registered ones
+    check_engines([*fedlt.algorithms.list(), ("scala", {"server": {"name": "grouped", "size": 2}})], drops=True)
+
+
+def test_stateful_parts_and_random_draws_give_one_answer_on_every_engine(one_thread):
+    """Without drops: a stateful aggregator (a built-in's, a plugin's), a stateful loss evaluated
+    on SCALA's server, a plugin's split server side, torch's generator drawn in client work."""
+    cases = [("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Adam's moments)
              ("fedavg", {"aggregator": "lookahead"}),  # a plugin's stateful aggregator
              ("scala", {"client_loss": "fedgrab"}),  # a stateful loss evaluated on the server, kept per client
              ("scala", {"server": {"name": "grouped", "size": 2}}),  # a plugin's split server side
              ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT)]  # torch's generator drawn in client work
-    assert "example_fedcm" in cases  # the plugin's algorithm is among the registered ones
-    check_engines(cases)
+    check_engines(cases, resume=False)
 
 
 class ReversedRunner(LocalRunner):

@@ -59,6 +59,7 @@ class ClientTask:
     schedule: LocalSchedule
     objective: str
     payload: dict[str, Any] = field(default_factory=dict)
+    fault: str | None = None  # an injected fault (fedlt.availability's ``scripted``): "raise" or "nan"
 
     @property
     def round_index(self) -> int:
@@ -179,10 +180,27 @@ def isolated(task: ClientTask) -> ClientTask:
                                state=copy_tensors(task.state), payload=copy_tensors(task.payload))
 
 
+def failure_reason(exc: BaseException) -> str:
+    """How a failed client is recorded: ``failed: <ErrorType>: <first line>`` (as a Flower node's
+    error report reads once unwrapped)."""
+    return f"failed: {type(exc).__name__}: {first_line(exc)}"
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test scenario asked for (``task.fault``), raised inside the client's work."""
+
+
 def run_client(algorithm: Any, task: ClientTask) -> ClientResult:
-    """A participant's one-call work, as every engine runs it: in the client's own random stream."""
+    """A participant's one-call work, as every engine runs it: in the client's own random stream
+    (and with its injected fault, if a scenario set one: raise, or return non-finite weights)."""
+    if task.fault == "raise":
+        raise InjectedFault(f"injected failure of client {task.cid} in round {task.round_index + 1}")
     with client_rng(task):
-        return algorithm.client_work(task)
+        result = algorithm.client_work(task)
+    if task.fault == "nan":
+        result.weights = {k: v.float().fill_(float("nan")).to(v.dtype) if v.is_floating_point() else v
+                          for k, v in result.weights.items()}
+    return result
 
 
 class SeededSession:
@@ -202,6 +220,8 @@ class SeededSession:
         return out
 
     def forward(self) -> Upload:
+        if self.task.fault == "raise":
+            raise InjectedFault(f"injected failure of client {self.task.cid} in round {self.task.round_index + 1}")
         return self._run("forward")
 
     def backward(self, grad: torch.Tensor | None) -> None:
@@ -239,7 +259,7 @@ class LocalSessions:
             return call()
         except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
             self.gone.add(k)
-            self.unreported[k] = ClientFailure(self.tasks[k].cid, f"failed: {first_line(exc)}")
+            self.unreported[k] = ClientFailure(self.tasks[k].cid, failure_reason(exc))
             return None
 
     def _each(self, method: str, args: list | None = None) -> list:
@@ -286,7 +306,7 @@ class LocalRunner:
             try:
                 out.append(run_client(algorithm, isolated(t)))
             except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
-                out.append(ClientFailure(t.cid, f"failed: {first_line(exc)}"))
+                out.append(ClientFailure(t.cid, failure_reason(exc)))
         return out
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:

@@ -12,6 +12,7 @@ SuperNodes to connect, default 120).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,7 +107,7 @@ class FlowerRounds:
             if reply is None:
                 out[cid] = ClientFailure(cid, f"late (no reply within {self.reply_wait:g} s)")
             elif reply.has_error():
-                out[cid] = ClientFailure(cid, f"failed: {first_line(str(reply.error.reason))}")
+                out[cid] = ClientFailure(cid, f"failed: {error_line(str(reply.error.reason))}")
             else:
                 out[cid] = reply.content
         if any(isinstance(v, ClientFailure) for v in out.values()):
@@ -127,6 +128,14 @@ class FlowerRounds:
                 raise FedltError(f"{what}: {len(messages) - len(replies)} of {len(messages)} node(s) did not reply "
                                  f"within {self.reply_wait:.0f}s")
         return replies
+
+
+def error_line(reason: str) -> str:
+    """The client's own error out of a node's error report (Ray wraps it in its traceback, with
+    terminal colours): the last ``SomeError: message`` line, else the report's first line."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", reason)
+    found = re.findall(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Fault|Loss)): (.+)$", plain, re.M)
+    return f"{found[-1][0]}: {found[-1][1].strip()}" if found else first_line(plain)
 
 
 class FlowerSessions:

@@ -15,6 +15,7 @@ check a built-in or an installed plugin's entry point, not an object registered 
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,11 +61,24 @@ def differences(a: Any, b: Any, atol: float, path: str = "", rtol: float | None 
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = True, **settings: Any) -> None:
+def drop_pattern(config: Any) -> dict[str, Any]:
+    """Settings that drop one sampled client in round 1 and another in round 2 (unavailable
+    during the round: a split-learning client leaves mid-exchange) under ``on_failure="drop"``."""
+    from fedlt.engine import sample_clients
+
+    first, second = (sample_clients(config.clients, config.participation, config.seeds.sampling, r) for r in (0, 1))
+    return {"availability": {"name": "scripted", "drops": [[1, first[0]], [2, second[-1]]], "when": "after"},
+            "faults": {"on_failure": "drop", "min_results": 1}}
+
+
+def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = True, drops: bool = False,
+                  **settings: Any) -> None:
     """Check that every algorithm in ``cases`` — registered names, ``(name, params)`` pairs or
     ``(name, params, settings)`` triples — ends the same on the local engine and on Flower's
     simulation (see the module docstring). ``settings`` (for all cases, then a case's own)
-    override :data:`fedlt.testing.algorithms.TINY`. Raises ContractError naming the algorithm,
+    override :data:`fedlt.testing.algorithms.TINY`. With ``drops``, every run drops one sampled
+    client in round 1 and another in round 2 (``drop_pattern``), and the client dropped in round 2
+    must keep exactly the state it had after round 1. Raises ContractError naming the algorithm,
     the property and the first differences."""
     import fedlt.algorithms
     from fedlt.config import RunConfig
@@ -79,16 +93,21 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = Tr
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
             base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params)
             base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+            if drops:
+                base.update(drop_pattern(RunConfig(**base, out=Path(tmp) / "probe")))
             make = lambda where, **more: RunConfig(**{**base, **more, "out": Path(tmp) / f"{k}-{where}"})  # noqa: E731
             configs.append((make("local", rounds=2), make("flower", rounds=2, engine="flower"),
-                            make("resumed", rounds=1, engine="flower"), make("resumed", rounds=2, engine="flower")))
+                            make("resumed", rounds=1, engine="flower"), make("resumed", rounds=2, engine="flower"),
+                            make("local-cut", rounds=1)))
             jobs.append(Job(configs[-1][1]))
             if resume:
                 jobs += [Job(configs[-1][2]), Job(configs[-1][3], resume=True)]
-        for local, *_ in configs:
+        for local, *_, cut in configs:
             run(local)
+            if drops:
+                run(cut)
         simulate(jobs)
-        for (name, params, own), (local, flower, _, resumed) in zip(normalised, configs):
+        for (name, params, own), (local, flower, _, resumed, cut) in zip(normalised, configs):
             c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
             ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt")
                     for key, cfg in (("local", local), ("flower", flower), ("resumed", resumed)) if resume or key != "resumed"}
@@ -100,3 +119,11 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = Tr
                     found = differences(ends["flower"][part], ends["resumed"][part], 0.0)
                     c.check(not found, "exact resume on flower",
                             f"{what}: cut after round 1 and resumed differs from uninterrupted: {'; '.join(found[:3])}")
+            if drops:
+                rows = [json.loads(line) for line in (Path(local.out) / "metrics.jsonl").read_text().splitlines()]
+                c.check(all(len(r["dropped"]) == 1 for r in rows), "drops", f"dropped per round: {[r['dropped'] for r in rows]}")
+                dropped = int(next(iter(rows[1]["dropped"])))
+                before = io.load_checkpoint(Path(cut.out) / "checkpoint.pt")["client_states"].get(dropped, {})
+                found = differences(before, ends["local"]["client_states"].get(dropped, {}), 0.0)
+                c.check(not found, "no state change for a dropped client",
+                        f"client {dropped}, dropped in round 2, changed its state: {'; '.join(found[:3])}")
