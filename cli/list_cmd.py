@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -30,7 +31,8 @@ def show_component(kind: str, name: str) -> None:
         table = Table("parameter", "default", "type", "description")
         auto = supplied(kind)
         for p in params:
-            table.add_row(p.name, p.default, p.annotation, p.description or (SUPPLIED_BY[kind] if p.name in auto else ""))
+            table.add_row(*map(escape, (p.name, p.default, p.annotation,
+                                        p.description or (SUPPLIED_BY[kind] if p.name in auto else ""))))
         console.print(table)
     else:
         console.print("no parameters")
@@ -55,5 +57,5 @@ def list_components(kind: Optional[str] = typer.Argument(None, help="algorithms,
     for kind_name, reg in regs.items():
         if kind in (None, kind_name):
             for item in reg.list(pattern):
-                table.add_row(kind_name, item, summary_line(reg.get(item)))
+                table.add_row(kind_name, item, escape(summary_line(reg.get(item))))  # docstrings hold [brackets]
     Console().print(table)
