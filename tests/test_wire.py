@@ -75,10 +75,10 @@ def test_a_result_with_every_kind_of_field_crosses_whole():
     """SCAFFOLD's extras, nested client state, typed fields: nothing named, nothing dropped."""
     result = ClientResult(3, {"w": torch.randn(2, 2)}, 17, steps=5, train_loss=0.25,
                           state={"loss": {"sgb.pos": torch.zeros(3)}, "c": {"w": torch.ones(2, 2)}},
-                          metrics={"tau_eff": 2.5}, extras={"delta_c": {"w": torch.full((2, 2), -1.0)}, "note": None})
+                          extras={"delta_c": {"w": torch.full((2, 2), -1.0)}, "note": None})
     back = wire.decode(*wire.encode(result))
     assert isinstance(back, ClientResult)
-    for field in ("cid", "num_samples", "steps", "train_loss", "weights", "state", "metrics", "extras"):
+    for field in ("cid", "num_samples", "steps", "train_loss", "weights", "state", "extras"):
         assert same(getattr(back, field), getattr(result, field)), field
 
 

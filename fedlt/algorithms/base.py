@@ -26,8 +26,13 @@ def _valid_loss(expr: str) -> str:
 
 
 def as_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
-    """A component spec as ``{"name": ..., **params}`` (a bare name has no parameters)."""
-    return {"name": spec} if isinstance(spec, str) else dict(spec)
+    """A component spec as ``{"name": ..., **params}``: a dict, a bare name, or a spec string
+    such as ``grouped(size=2)`` (parsed, never evaluated: fedlt.spec)."""
+    if isinstance(spec, str):
+        from fedlt.spec import parse_spec
+
+        return parse_spec(spec) if "(" in spec else {"name": spec}
+    return dict(spec)
 
 
 def from_spec(registry: Registry, spec: str | dict[str, Any]) -> Any:

@@ -69,8 +69,9 @@ class ClientTask:
 @dataclass
 class ClientResult:
     """What a participant sends back: its new weights, |D_k|, the local steps it took and their
-    mean loss (what strategies rely on), its new persistent state, further metrics, and
-    ``extras``: what else its strategy reads (SCAFFOLD's control-variate change, ...)."""
+    mean loss where the client computes it (0 when its loss is evaluated on the server, as in
+    SCALA), its new persistent state, and ``extras``: what else its strategy reads (SCAFFOLD's
+    control-variate change, ...)."""
 
     cid: int
     weights: State
@@ -78,7 +79,6 @@ class ClientResult:
     steps: int = 0
     train_loss: float = 0.0
     state: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
 
 

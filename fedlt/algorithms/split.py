@@ -160,7 +160,7 @@ class SplitLearning(BaseModel):
             raise FedltError(f"client_loss {self.client_loss!r} distils from the global model, which a client "
                              f"session {self.client!r} does not hold (it has no server part)")
         server = self._strategy.server
-        server.round, server.tasks, server.gone, server.start = round, [task], set(), server.module.state_dict()
+        server.begin_round(round, [task])  # the server side's own set-up for a round, on the probe
         needs_teacher = server.server_objective(placeholder).needs_teacher or objective.needs_teacher
         self._strategy.send_teacher = needs_teacher
 

@@ -8,11 +8,11 @@ expression as their local objective (``--algo scaffold --loss fedlc``) and any p
 |---|---|---|
 | ``scaffold`` | ``correct``: g + c − c_i; ``end``: c_i⁺, Δc_i | c ← c + (1/N)·Σ Δc_i, sent as payload |
 | ``feddyn`` | ``correct``: g − g_k + α(θ − θ^{t−1}); ``end``: g_k⁺ | h, θ = avg − h/α |
-| ``moon`` | ``loss``: + μ·ℓ_con; ``end``: keep the local model | — |
+| ``moon`` | ``parts``: + μ·ℓ_con; ``end``: keep the local model | — |
 | ``fednova`` | — | average the updates normalised by effective local steps |
 | ``fedexp`` | — | the ``fedexp`` aggregator (extrapolated server step) |
 | ``fedsam`` | ``backward``: SAM's two-pass gradient | — |
-| ``feddecorr`` | ``loss``: + β·decorrelation of the representation | — |
+| ``feddecorr`` | ``parts``: + β·decorrelation of the representation | — |
 
 Per-client state lives in the engine's ``ClientStates`` (checkpointed); per-server state in the
 strategy's ``state_dict``. The representation of MOON and FedDecorr is the input of the model's

@@ -23,10 +23,18 @@ EXTREME = 1e4
 
 
 def _setup(counts: list[float], seed: int) -> dict[str, Any]:
+    """Every value a term may name: the client's own, and every round-context field (round 2 of
+    5 here, so a term that schedules on the round has a round to read)."""
+    from fedlt.context import RoundContext
+
     g = torch.Generator().manual_seed(seed)
-    return {"class_counts": torch.tensor(counts, dtype=torch.float64), "num_classes": C,
-            "classifier_weight": torch.randn(C, 6, generator=g), "global_params": [torch.randn(C, 6, generator=g)],
-            "seed": seed, "global_counts": torch.tensor([50.0, 30.0, 20.0, 40.0], dtype=torch.float64)}
+    global_counts = torch.tensor([50.0, 30.0, 20.0, 40.0], dtype=torch.float64)
+    context = RoundContext(round_index=1, rounds=5, num_clients=4, participants=(0, 2), num_classes=C,
+                           global_counts=global_counts, participant_counts=global_counts[None].repeat(2, 1) / 2,
+                           classifier_weight=torch.randn(C, 6, generator=g), sampling_seed=seed)
+    values = {k: v for k, v in context.values().items() if k != "fused"}  # the implementation stays the caller's
+    return values | {"class_counts": torch.tensor(counts, dtype=torch.float64),
+                     "global_params": [torch.randn(C, 6, generator=g)], "seed": seed}
 
 
 def _call(term, logits, targets, teacher, params) -> torch.Tensor:

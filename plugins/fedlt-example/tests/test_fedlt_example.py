@@ -74,3 +74,63 @@ def test_bad_parameters_are_one_line_errors():
 
     with pytest.raises(FedltError, match="width"):
         tiny_cnn(width=0)
+
+
+# -- the algorithm, the aggregator and the split server side ---------------------------------------
+def test_example_fedcm_passes_the_algorithm_contract():
+    """Two rounds, exact resume: the server momentum and each client's visit count are restored."""
+    from fedlt.testing import check_algorithm
+
+    check_algorithm("example_fedcm")
+    check_algorithm("example_fedcm", {"alpha": 1.0})
+
+
+def test_example_fedcm_with_alpha_one_is_fedavg(tmp_path):
+    """a_k = 1 blends nothing in: the same global model as FedAvg, bit for bit."""
+    from fedlt import io
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    common = dict(model="mlp", clients=4, participation=1.0, rounds=2, train_limit=200, local_iters=2,
+                  partition={"name": "iid"})
+    run(RunConfig(**common, algorithm="fedavg", out=tmp_path / "fedavg"))
+    run(RunConfig(**common, algorithm="example_fedcm", algorithm_params={"alpha": 1.0}, out=tmp_path / "fedcm"))
+    a, b = (io.load_checkpoint(tmp_path / d / "checkpoint.pt")["algorithm"]["model"] for d in ("fedavg", "fedcm"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lookahead_passes_the_aggregator_contract():
+    from fedlt.testing import check_aggregator
+
+    check_aggregator("lookahead")
+    check_aggregator("lookahead", {"alpha": 0.3, "k": 3})
+
+
+def test_lookahead_matches_its_formula_in_float64():
+    """Round 1 (k = 2): FedAvg's average; round 2: φ + α·(average − φ) with φ the start."""
+    from fedlt.aggregators import create, weighted_average
+
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(3, generator=g, dtype=torch.float64)}
+    results = [({"w": torch.randn(3, generator=g, dtype=torch.float64)}, float(n)) for n in (3, 5)]
+    agg = create("lookahead", alpha=0.25, k=2)
+    first = agg(start, results, ["w"])
+    torch.testing.assert_close(first["w"], weighted_average(results)["w"], rtol=0, atol=0)
+    second = agg(first, results, ["w"])
+    torch.testing.assert_close(second["w"], start["w"] + 0.25 * (weighted_average(results)["w"] - start["w"]))
+
+
+@pytest.mark.parametrize("size, same_as", [(1, "sequential"), (8, "concat")])
+def test_grouped_is_sequential_with_groups_of_one_and_concat_with_one_group(tmp_path, size, same_as):
+    """The plugin's server side sits between fedlt's two: groups of one participant are SplitFed
+    V2's sequential server, one group of all of them SCALA's concatenated forward."""
+    from fedlt import io
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    common = dict(algorithm="scala", clients=5, participation=1.0, rounds=1, train_limit=200, local_iters=2,
+                  server_batch=20, partition={"name": "iid"})
+    run(RunConfig(**common, algorithm_params={"server": same_as}, out=tmp_path / "builtin"))
+    run(RunConfig(**common, algorithm_params={"server": f"grouped(size={size})"}, out=tmp_path / "grouped"))
+    a, b = (io.load_checkpoint(tmp_path / d / "checkpoint.pt")["algorithm"]["model"] for d in ("builtin", "grouped"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -2,8 +2,10 @@
 client-level momentum (Xu et al. 2021, "FedCM: Federated Learning with Client-level Momentum").
 
 Server state: the momentum Δ, the participants' mean applied direction of the last round,
-Δ ← mean_k (x − y_k) / (K_k·η) (x the global weights sent, y_k client k's trained weights, K_k its
-local steps, η the local learning rate), zero before the first round; it is sent to every
+Δ ← mean_k (x − y_k) / (a_k·η) (x the global weights sent, y_k client k's trained weights, η the
+local learning rate, a_k its effective local steps: K_k without momentum, Σ_{j≤K_k}(1 − ρ^j)/(1 − ρ)
+with the optimiser's momentum ρ, as SCAFFOLD's and FedNova's in fedlt — dividing by K_k alone
+inflates Δ by ≈ 1/(1 − ρ) each round and the blend feeds it back), zero before the first round; it is sent to every
 participant as payload. Client work: FedAvg's local SGD with each gradient blended with it,
 g ← a_k·g + (1 − a_k)·Δ. Per-client state (this example's own warm-up, not FedCM's): how many
 rounds the client has trained; a_k = max(alpha, 1/(visits + 1)), so a client's first round takes
@@ -27,6 +29,7 @@ from torch import nn
 from fedlt.algorithms.base import RunContext, build_aggregator
 from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy, trainable_names
 from fedlt.algorithms.protocol import ClientResult, ClientTask
+from fedlt.algorithms.stateful import effective_steps
 from fedlt.context import RoundContext
 
 
@@ -74,7 +77,7 @@ class MomentumStrategy(Strategy):
         for name, x in sent.items():
             total = torch.zeros_like(x)
             for r in trained:  # float64, in client order: the same sum on every engine
-                total += (x - r.weights[name].double()) / (r.steps * self.ctx.lr)
+                total += (x - r.weights[name].double()) / (effective_steps(r.steps, self.ctx.momentum) * self.ctx.lr)
             self.momentum[name] = (total / max(len(trained), 1)).to(self.momentum[name].dtype)
         return metrics
 
