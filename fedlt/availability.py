@@ -57,6 +57,7 @@ class Availability:
 
     name = "always"
     when: When = "before"
+    acts = True  # False only for a model that never drops, delays or fails anyone (the engine skips it)
 
     def available(self, seed: int, round_index: int, cid: int) -> bool:
         return True
@@ -80,6 +81,8 @@ class Availability:
 @register("always")
 class Always(Availability):
     """Every client takes part whenever it is sampled (no faults: fedlt's default)."""
+
+    acts = False
 
     def __init__(self) -> None:
         """No parameters."""

@@ -50,7 +50,6 @@ from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
 from fedlt.errors import FedltError, first_line
-from fedlt.availability import Always
 from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.metrics import class_groups, evaluate
 from fedlt.registry import Registry
@@ -403,8 +402,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
 
     availability = from_spec(fedlt.availability.REGISTRY, config.availability)
     policy = PolicyRunner(runner, availability, config.faults, config.seeds.sampling)
-    faults_possible = config.faults.on_failure == "drop" or not isinstance(availability, Always) \
-        or config.faults.round_timeout is not None
+    faults_possible = config.faults.on_failure == "drop" or availability.acts or config.faults.round_timeout is not None
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     if on_start is not None:
         on_start(state.round)
@@ -413,7 +411,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
         while state.round < config.rounds:
             started = time.perf_counter()
             round_index = state.round
-            if availability.when == "before" and not isinstance(availability, Always):
+            if availability.acts and availability.when == "before":
                 reachable = [c for c in range(config.clients)
                              if availability.available(config.seeds.sampling, round_index, c)]
                 chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index,
