@@ -41,9 +41,8 @@ def median_after_first(rows: list[dict], key: str = "train_s") -> float:
 def serialise_s(config: RunConfig, repeat: int = 3) -> float:
     """Encode and decode one round's messages (no transport), best of ``repeat``."""
     from fedlt.algorithms.base import ClientData
-    from fedlt.algorithms.protocol import ClientResult, ClientStates
-    from fedlt.algorithms.split import SplitLearning
-    from fedlt.algorithms.split_client import Upload
+    from fedlt.algorithms.protocol import ClientResult, ClientStates, LocalRunner
+    from fedlt.algorithms.split import classifier_of
     from fedlt.flower import codec
 
     prep = prepare(config)
@@ -52,23 +51,22 @@ def serialise_s(config: RunConfig, repeat: int = 3) -> float:
     for cid in chosen:
         idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long)
         clients.append(ClientData(cid, prep.data.x_train[idx], prep.data.y_train[idx], prep.counts[cid]))
-    tasks = prep.algorithm.strategy.configure(0, clients, ClientStates())
-    split = isinstance(prep.algorithm, SplitLearning)
+    round_ctx = prep.ctx.round(0, clients, classifier_of(prep.algorithm.global_model()))
+    tasks = prep.algorithm.strategy.configure(round_ctx, clients, ClientStates())
+    split = hasattr(prep.algorithm, "open_session")  # what the algorithm declares, as the Flower app reads it
     if split:
-        sessions = prep.algorithm.open_sessions(tasks)
-        uploads = sessions.forward()
+        uploads = LocalRunner().exchange(prep.algorithm, tasks).forward()
     best = float("inf")
     for _ in range(repeat):
         started = time.perf_counter()
         for task in tasks:
             codec.task_from(codec.task_content(task), task.data)
-            result = ClientResult(task.cid, task.weights, len(task.data))
-            codec.result_from(codec.result_content(result))
+            codec.value(codec.content(ClientResult(task.cid, task.weights, len(task.data))))
         if split:  # T exchanges of activations up and gradients down
             for _ in range(config.local_iters):
                 for up in uploads:
-                    back = codec.upload_from(codec.upload_content(Upload(up.activations, up.labels)))
-                    codec.tensors(codec.arrays({"grad": back.activations}))
+                    back = codec.value(codec.content(up))
+                    codec.value(codec.content(back.activations))
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -107,14 +105,14 @@ def main() -> None:
             tag = name.split()[0]
             config = config.model_copy(update={"out": out / f"{tag}-flower", "engine": "flower"})
             rounds = FlowerRounds(grid, config)
-            run(config, train_round=rounds.train_round)
+            run(config, runner=rounds)
             flower[name] = (common_rows(out / f"{tag}-flower"), rounds)
             nodes = rounds.nodes()
             chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, 0)
             times = []
             for _ in range(args.pings):
                 started = time.perf_counter()
-                rounds._send([Message(RecordDict(), nodes[c], "query.partition") for c in chosen], "ping")
+                rounds._deliver([Message(RecordDict(), nodes[c], "query.partition") for c in chosen], "ping")
                 times.append(time.perf_counter() - started)
             pings[name] = statistics.median(times)
 

@@ -22,6 +22,7 @@ import torch
 from fedlt.algorithms.base import ClientData, LocalSchedule, client_generator
 from fedlt.algorithms.fedavg_family import client_update
 from fedlt.algorithms.protocol import ClientTask
+from fedlt.context import RoundContext
 from fedlt.datasets import create
 from fedlt.models import build
 
@@ -84,7 +85,11 @@ def main() -> None:
         global_state = {k: v.clone() for k, v in fedlt_global.state_dict().items()}
         fedlt_updates, authors_updates = [], []
         for c, ac in zip(clients, authors_clients):
-            task = ClientTask(c.cid, r, global_state, c, {}, schedule, "fedvls(lam=0.1)", 0, 10)
+            round_ctx = RoundContext(round_index=r, rounds=args.rounds, num_clients=len(clients), participants=(0, 1),
+                                     num_classes=10, global_counts=sum(d.class_counts for d in clients),
+                                     participant_counts=torch.stack([d.class_counts for d in clients]),
+                                     classifier_weight=None, sampling_seed=0)
+            task = ClientTask(c.cid, round_ctx, global_state, c, {}, schedule, "fedvls(lam=0.1)")
             fedlt_updates.append((client_update(task, work).weights, len(c)))
             batches = list(schedule.batches(len(c), client_generator(0, r, c.cid)))  # what fedlt just used
             per_epoch = len(batches) // args.epochs
