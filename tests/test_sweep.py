@@ -201,10 +201,9 @@ def _wait_until(proc: subprocess.Popen, out: Path, done: int, timeout: float = 2
 
 
 def _report(out: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "fedlt.cli", "report", str(out), "--format", "json"], env=env(),
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    manifest, cells, problems = load_study(out)
+    assert not problems
+    return json.loads(render_study(manifest, cells, "json"))
 
 
 def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_uninterrupted_table(tmp_path):
