@@ -74,7 +74,8 @@ def display(value: Any) -> str:
 
 # -- reading a study ----------------------------------------------------------------------------
 def load_study(path: Path) -> tuple[Study, Path | None]:
-    """A study file as a Study, and the ``out`` it names (relative to the file), if any."""
+    """A study file as a Study, and the ``out`` it names (relative to the current directory, as a
+    run's ``out``), if any."""
     data = read_config_file(Path(path))
     unknown = sorted(set(data) - STUDY_KEYS)
     if unknown:
@@ -92,7 +93,7 @@ def load_study(path: Path) -> tuple[Study, Path | None]:
     study = Study(base, dict(axes), check_seeds(data.get("seeds", [0]), f"study file {path}: seeds"),
                   _entries(data.get("include", []), f"study file {path}: include"),
                   _entries(data.get("exclude", []), f"study file {path}: exclude"))
-    return study, (Path(path).parent / out if isinstance(out, str) else None)
+    return study, (Path(out) if isinstance(out, str) else None)
 
 
 def check_seeds(seeds: Any, what: str) -> list[int]:
