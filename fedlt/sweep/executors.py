@@ -267,6 +267,7 @@ class SlurmExecutor:
     def __init__(self, cluster: str | None = None, poll_s: float = 2.0, **params: Any) -> None:
         self.cluster, self.poll_s, self.params = cluster, poll_s, params
         self._jobs: list[Any] = []
+        self._stopping = False
 
     def threads_per_run(self) -> int:
         return 1
@@ -294,12 +295,14 @@ class SlurmExecutor:
                 try:
                     outcome = handle.result()
                 except Exception as exc:  # the array task failed outside run_job (killed, timed out)
-                    outcome = Outcome(job.id, "failed", f"slurm job {handle.job_id}: {first_line(exc)}")
+                    status = "stopped" if self._stopping else "failed"  # cancelled by stop(): resumable
+                    outcome = Outcome(job.id, status, f"slurm job {handle.job_id}: {first_line(exc)}")
                 on_event("finished", job.id, outcome)
             if waiting:
                 time.sleep(self.poll_s)
 
     def stop(self) -> None:
+        self._stopping = True
         for handle in self._jobs:
             if not handle.done():
                 handle.cancel(check=False)
