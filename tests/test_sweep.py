@@ -244,3 +244,27 @@ def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_un
     assert _report(killed) == _report(clean)
     for run_dir in sorted((clean / "runs").iterdir()):
         assert without_timings(killed / "runs" / run_dir.name) == without_timings(run_dir), run_dir.name
+
+
+def test_bad_study_files_and_report_options_are_one_line_each(tmp_path, capsys):
+    out = tmp_path / "s"
+    write_manifest(out, plan(Study(dict(TINY), {"algorithm": ["fedavg", "fedlc"]}), out))
+    bad = tmp_path / "bad.toml"
+    cases = [
+        ("seeds = [0]\nrounds = 3\n", ["sweep", str(bad), "--dry-run"], "unknown key(s) rounds"),
+        ("[axes]\nalgorithm = 'fedavg'\n", ["sweep", str(bad), "--dry-run"], "non-empty list of values"),
+        ("seeds = [1, 1]\n", ["sweep", str(bad), "--dry-run"], "lists a seed twice"),
+        ("", ["report", str(out), "--rows", "nope"], "'nope' is not an axis of the study"),
+        ("", ["report", str(out), "--format", "html"], "choose one of markdown, csv, latex, json"),
+        ("", ["report", str(out), "--metric", "final_accuracy", "--cols", "algorithm", "--rows", "algorithm"],
+         "in both --rows and --cols"),
+        ("", ["sweep", str(tmp_path)], "without a study.json"),
+    ]
+    for text, argv, message in cases:
+        bad.write_text(text)
+        assert cli(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    # nothing has run yet: every cell reads '–' (n = 0), none is 'failed'
+    assert cli("report", str(out)) == 0
+    assert "| fedavg | 0 | – |" in capsys.readouterr().out

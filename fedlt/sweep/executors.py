@@ -193,6 +193,7 @@ class LocalExecutor:
         second stop makes them stop at once)."""
         self._stopping = True
         pool = self._pool
+        # the pool's worker processes: concurrent.futures keeps them in _processes (no public accessor)
         for process in list(getattr(pool, "_processes", {}).values()) if pool is not None else []:
             try:
                 os.kill(process.pid, signal.SIGTERM)
