@@ -215,6 +215,8 @@ def _run(the_study: Any, out: Path, executor: str, params: dict[str, Any], exten
         else:
             counts["running"] -= 1
             counts[outcome.status] += 1
+            for warning in outcome.warnings:
+                progress.console.print(f"warning: {run_id}: {warning}", highlight=False, markup=False)
             if plain:
                 finished = counts["done"] + counts["failed"] + counts["stopped"]
                 typer.echo(outcome_line(finished, state["total"], run_id, outcome))

@@ -268,3 +268,34 @@ def test_bad_study_files_and_report_options_are_one_line_each(tmp_path, capsys):
     # nothing has run yet: every cell reads '–' (n = 0), none is 'failed'
     assert cli("report", str(out)) == 0
     assert "| fedavg | 0 | – |" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_failing_tracker_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path):
+    from fedlt.sweep import Job, run_job
+    from fedlt.sweep.track import TRACKERS
+
+    seen = []
+
+    class Flaky:
+        def __init__(self, **params):
+            pass
+
+        def start(self, run_id, config, done):
+            seen.append(("start", run_id, done))
+
+        def log_round(self, done, row):
+            seen.append(("round", done))
+            raise ConnectionError("store unreachable\nsecond line")
+
+        def finish(self, status, run_dir):
+            seen.append(("finish", status))
+
+    config = RunConfig(**(TINY | dict(algorithm="fedavg", partition={"name": "iid"}, out=tmp_path / "r")))
+    with TRACKERS.temporary("flaky", Flaky):
+        outcome = run_job(Job("r", config.model_dump(mode="json"), resume=False, threads=1,
+                              tracking=({"name": "flaky"},)))
+    assert outcome.status == "done" and outcome.error is None and outcome.rounds == 2
+    assert outcome.warnings == ["tracking with flaky stopped: ConnectionError: store unreachable"]
+    assert seen == [("start", "r", 0), ("round", 1)]  # dropped after its failure: no round 2, no finish
+    assert (tmp_path / "r" / "summary.json").is_file()

@@ -54,6 +54,7 @@ class Outcome:
     rounds: int | None = None
     seconds: float = 0.0
     pid: int = field(default_factory=os.getpid)
+    warnings: list[str] = field(default_factory=list)  # e.g. a tracker that failed (the run went on)
 
 
 Event = Callable[[str, str, "Outcome | None"], None]
@@ -78,21 +79,31 @@ def run_job(job: Job) -> Outcome:
     started = time.perf_counter()
     if job.threads is not None:
         torch.set_num_threads(job.threads)
-    trackers: list[Any] = []
+    trackers: dict[str, Any] = {}
+    warnings: list[str] = []
     status, error, summary = "failed", None, None
+
+    def tracked(method: str, *args: Any) -> None:
+        """Call ``method`` on every tracker; one that raises is dropped with a warning (tracking
+        is a side channel: the run goes on)."""
+        for name, tracker in list(trackers.items()):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:
+                del trackers[name]
+                warnings.append(f"tracking with {name} stopped: {type(exc).__name__}: {first_line(exc)}")
+
     try:
         config = RunConfig.model_validate(job.config)
-        trackers = [track.create(spec) for spec in job.tracking]
+        trackers = {spec["name"]: track.create(spec) for spec in job.tracking}
 
         def on_start(done: int) -> None:
             if _STOP["signal"] is not None:  # asked to stop while the run was being prepared
                 raise RunStopped(_STOP["signal"], done, Path(config.out))
-            for tracker in trackers:
-                tracker.start(job.id, job.config, done)
+            tracked("start", job.id, job.config, done)
 
         def on_round(done: int, row: dict[str, Any]) -> None:
-            for tracker in trackers:
-                tracker.log_round(done, row)
+            tracked("log_round", done, row)
 
         summary = run(config, resume=job.resume, on_round=on_round, on_start=on_start)
         status = "done"
@@ -105,13 +116,8 @@ def run_job(job: Job) -> Outcome:
     except Exception as exc:  # a run's bug must not end the study: recorded, the others go on
         error = f"{type(exc).__name__}: {first_line(exc)}"
     finally:
-        for tracker in trackers:
-            try:
-                tracker.finish(status, Path(job.config["out"]))
-            except Exception as exc:  # tracking is a side channel: a failure there is reported, not fatal
-                if status == "done":
-                    status, error = "failed", f"tracking: {type(exc).__name__}: {first_line(exc)}"
-    outcome = Outcome(job.id, status, error, seconds=round(time.perf_counter() - started, 3))
+        tracked("finish", status, Path(job.config["out"]))
+    outcome = Outcome(job.id, status, error, seconds=round(time.perf_counter() - started, 3), warnings=warnings)
     if summary is not None:
         outcome.final_accuracy = summary["final"]["accuracy"]
         outcome.best_accuracy, outcome.best_round = summary["best"]["accuracy"], summary["best"]["round"]

@@ -11,6 +11,9 @@ install command. The study's coordinator calls ``prepare(spec)`` once before any
   resumed run continues the same MLflow run): the flattened config as params, every numeric
   metrics column per round (step = round), and the run directory as artifacts at the end.
   Default store: ``sqlite:///<study>/mlflow.db``, artifacts under ``<study>/mlartifacts``.
+
+A tracker that fails (a store that cannot be reached, ...) is dropped for the rest of its run
+with one warning line; the run itself goes on (tracking is a side channel).
 - ``tensorboard``: event files per run in ``<study>/tensorboard/<run id>/``, one scalar per
   numeric metrics column (tag ``accuracy``, ``train_loss``, ...; step = round).
 """
@@ -68,7 +71,8 @@ class MLflowTracker:
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise FedltError(f"--track mlflow needs MLflow: {INSTALL}") from None
-        self.uri = uri or f"sqlite:///{Path(study_dir) / 'mlflow.db'}"
+        # several workers write at once: wait for sqlite's lock (60 s) instead of failing at 5 s
+        self.uri = uri or f"sqlite:///{Path(study_dir) / 'mlflow.db'}?timeout=60"
         self.artifacts = (Path(study_dir) / "mlartifacts").as_uri()
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri=self.uri)
