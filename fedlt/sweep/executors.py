@@ -263,12 +263,15 @@ class RayExecutor:
             ray.cancel(ref)
 
 
+DEFAULT_TIMEOUT_MIN = 60  # a Slurm task's time limit unless timeout_min is given
+
+
 @EXECUTORS.register("slurm")
 class SlurmExecutor:
     """A Slurm job array through submitit, one array task per run; ``params`` go to submitit's
     ``update_parameters`` (``slurm_partition``, ``timeout_min``, ``mem_gb``, ``gpus_per_node``,
     ``slurm_array_parallelism``, ``slurm_account``, ...; ``cpus_per_task`` defaults to the run's
-    threads). ``cluster=local`` runs the array on this machine (submitit's local executor), ``debug``
+    threads, ``timeout_min`` to 60). ``cluster=local`` runs the array on this machine (submitit's local executor), ``debug``
     in this process. Logs go to ``<study>/submitit/``."""
 
     def __init__(self, cluster: str | None = None, poll_s: float = 2.0, **params: Any) -> None:
@@ -287,7 +290,9 @@ class SlurmExecutor:
         executor = submitit.AutoExecutor(folder=Path(workdir) / "submitit" / "%j", cluster=self.cluster)
         threads = max((j.threads or 1) for j in jobs)
         try:
-            executor.update_parameters(**({"cpus_per_task": threads, "name": "fedlt-sweep"} | self.params))
+            # submitit's local executor would otherwise stop a task after 2 minutes
+            defaults = {"cpus_per_task": threads, "name": "fedlt-sweep", "timeout_min": DEFAULT_TIMEOUT_MIN}
+            executor.update_parameters(**(defaults | self.params))
         except (ValueError, TypeError) as exc:
             raise FedltError(f"--executor-param: {first_line(exc)}") from None
         with executor.batch():  # one job array
