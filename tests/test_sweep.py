@@ -140,7 +140,8 @@ def test_a_sweep_run_equals_the_same_run_alone_and_a_failure_is_recorded(tmp_pat
     path = study_file(tmp_path, 'algorithm = ["fedavg", "fedlc"]\npartition = ["iid", "dirichlet(beta=0.5)"]',
                       seeds="[0, 1]", extra='include = [{algorithm = "fedavg", partition = "quantity(alpha=2)"}]')
     out = tmp_path / "study"
-    assert cli("sweep", str(path), "--out", str(out), "--jobs", "2", "--threads", "1") == 1  # a failed run: the others went on, the status says so
+    # a failed run: the others went on, and the exit status says so
+    assert cli("sweep", str(path), "--out", str(out), "--jobs", "2", "--threads", "1") == 1
     captured = capsys.readouterr()
     assert "10 runs: 8 done, 2 failed" in captured.out
     manifest = read_manifest(out)

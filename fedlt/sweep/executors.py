@@ -271,8 +271,8 @@ class SlurmExecutor:
     """A Slurm job array through submitit, one array task per run; ``params`` go to submitit's
     ``update_parameters`` (``slurm_partition``, ``timeout_min``, ``mem_gb``, ``gpus_per_node``,
     ``slurm_array_parallelism``, ``slurm_account``, ...; ``cpus_per_task`` defaults to the run's
-    threads, ``timeout_min`` to 60). ``cluster=local`` runs the array on this machine (submitit's local executor), ``debug``
-    in this process. Logs go to ``<study>/submitit/``."""
+    threads, ``timeout_min`` to 60). ``cluster=local`` runs the array on this machine (submitit's
+    local executor), ``debug`` in this process. Logs go to ``<study>/submitit/``."""
 
     def __init__(self, cluster: str | None = None, poll_s: float = 2.0, **params: Any) -> None:
         self.cluster, self.poll_s, self.params = cluster, poll_s, params

@@ -261,7 +261,8 @@ def plan(study: Study, out: Path, *, extend: bool = False) -> dict[str, Any]:
     out = Path(out)
     entries = expand(study, out)
     runs = [{"id": e.id, "cell": e.cell, "label": e.label(), "seed": e.seed, "dir": f"runs/{e.id}",
-             "digest": _digest({k: v for k, v in e.config.items() if k != "out"}), "status": "pending", "error": None} for e in entries]
+             "digest": _digest({k: v for k, v in e.config.items() if k != "out"}), "status": "pending",
+             "error": None} for e in entries]
     old = read_manifest(out)
     if old is None:
         if out.exists() and any(out.iterdir()):
