@@ -1,4 +1,5 @@
-"""``fedlt report RUN_DIR...``: a table comparing runs and, with ``--plot DIR``, PNG figures."""
+"""``fedlt report RUN_DIR...`` (a table comparing runs) or ``fedlt report STUDY_DIR`` (the
+study's table, mean ± std over seeds); ``--plot DIR`` writes PNG figures."""
 
 from __future__ import annotations
 
@@ -14,19 +15,68 @@ from fedlt.errors import FedltError
 
 @app.command("report")
 def report(
-    runs: list[Path] = typer.Argument(..., help="run directories (written by fedlt run)"),
+    runs: list[Path] = typer.Argument(..., help="run directories (written by fedlt run), or one study directory "
+                                      "(written by fedlt sweep)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy curves, per-class bars and partition "
-                                                              "heatmaps as PNG files into this folder"),
+                                                              "heatmaps as PNG files into this folder (a study: "
+                                                              "curves with ±std bands over seeds)"),
+    rows: Optional[list[str]] = typer.Option(None, "--rows", help="study: the axes down the table (repeatable; "
+                                             "default: every axis not in --cols)"),
+    cols: Optional[list[str]] = typer.Option(None, "--cols", help="study: the axes across the table (repeatable); "
+                                             "each cell then shows the first --metric"),
+    metric: Optional[list[str]] = typer.Option(None, "--metric", help="study: final_accuracy, best_accuracy, or any "
+                                               "metrics column, as final_<col> / best_<col> (repeatable; default: "
+                                               "final and best accuracy, balanced, many/medium/few)"),
+    fmt: str = typer.Option("markdown", "--format", help="study: markdown, csv, latex or json"),
+    output: Optional[Path] = typer.Option(None, "--output", help="study: write the table to this file too"),
 ) -> None:
-    """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time.
+    """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time; or
+    aggregate a study over its seeds: mean ± std (n) per cell, laid out with --rows / --cols.
 
     A run that cannot be read (not a run, or a damaged file) is named on stderr, one line each,
-    and left out; the others are still reported, and the exit code is then 2."""
-    from fedlt.report import read_runs, table, write_plots
-    from fedlt.rundir import check_directory
+    and left out; the others are still reported, and the exit code is then 2. A study's failed
+    runs are marked in their cell and listed under the table."""
+    from fedlt.report import is_study
+    from fedlt.rundir import check_directory, check_file
 
     if plot is not None:
         check_directory(plot, "--plot")  # before any work: a bad folder is one line, not a traceback
+    studies = [p for p in runs if is_study(p)]
+    if studies:
+        if len(runs) > 1:
+            raise FedltError("report one study directory at a time (or run directories only)")
+        if output is not None:
+            check_file(output, "--output")
+        _study(studies[0], plot, rows, cols, metric, fmt, output)
+        return
+    if rows or cols or metric or output is not None or fmt != "markdown":
+        raise FedltError("--rows, --cols, --metric, --format and --output apply to a study directory "
+                         "(written by fedlt sweep)")
+    _runs(runs, plot)
+
+
+def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, output: Optional[Path]) -> None:
+    from fedlt import io
+    from fedlt.report import load_study, plot_study, render_study
+
+    manifest, cells, problems = load_study(path)
+    text = render_study(manifest, cells, fmt, metrics=metric, rows=rows, cols=cols)
+    typer.echo(text, nl=False)
+    if output is not None:
+        io._atomic(output, lambda f: f.write(text.encode()))
+        typer.echo(f"wrote {output}", err=True)
+    if plot is not None:
+        for written in plot_study(cells, plot):
+            typer.echo(f"wrote {written}", err=True)
+    for problem in problems:
+        typer.echo(f"error: skipped {problem}", err=True)
+    if problems:
+        raise typer.Exit(2)
+
+
+def _runs(runs: list[Path], plot: Optional[Path]) -> None:
+    from fedlt.report import read_runs, table, write_plots
+
     loaded, problems = read_runs(runs)
     if not loaded:
         raise FedltError("; ".join(problems) if len(problems) > 1 else problems[0])

@@ -295,3 +295,295 @@ def write_plots(runs: list[Run], folder: str | Path) -> list[Path]:
         title = f"{run.label}: {run.manifest.get('name', 'partition')} partition"
         written.append(partition_heatmap(run.manifest["class_counts"], folder / f"partition-{name}.png", title=title))
     return written
+
+
+# -- studies: a grid of runs aggregated over its seeds (docs/sweeps.md) ---------------------------
+# what `fedlt report STUDY_DIR` shows without --metric: the paper's columns
+STUDY_METRICS = ("final_accuracy", "best_accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy",
+                 "few_accuracy")
+FORMATS = ("markdown", "csv", "latex", "json")
+
+
+@dataclass
+class Cell:
+    """The runs of one cell of a study's grid, one per seed."""
+
+    label: dict[str, str]  # axis -> value as written (dirichlet(beta=0.05))
+    runs: list[Run]  # the finished ones
+    seeds: list[int]  # theirs
+    failed: dict[str, str]  # run id -> its one-line error
+    unfinished: list[str]  # run ids neither finished nor failed (pending, running, stopped)
+
+    @property
+    def name(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.label.items())
+
+
+def is_study(path: str | Path) -> bool:
+    from fedlt.sweep.study import MANIFEST
+
+    return (Path(path) / MANIFEST).is_file()
+
+
+def load_study(path: str | Path) -> tuple[dict[str, Any], list[Cell], list[str]]:
+    """A study directory's manifest, its cells in grid order, and one line per run directory that
+    could not be read (damaged: left out of its cell)."""
+    from fedlt.sweep.study import read_manifest, status_on_disk
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise FedltError(f"{path} is not a study directory (no study.json)")
+    cells: dict[str, Cell] = {}
+    problems = []
+    for entry in manifest["runs"]:
+        label = dict(entry["label"])
+        key = json.dumps(label, sort_keys=True)
+        cell = cells.setdefault(key, Cell(label, [], [], {}, []))
+        run_dir = path / entry["dir"]
+        if status_on_disk(run_dir) == "done":
+            try:
+                cell.runs.append(load_run(run_dir, entry["id"]))
+                cell.seeds.append(entry["seed"])
+            except FedltError as exc:
+                problems.append(str(exc).splitlines()[0])
+                cell.failed[entry["id"]] = "unreadable"
+        elif entry.get("status") == "failed":
+            cell.failed[entry["id"]] = entry.get("error") or "failed"
+        else:
+            cell.unfinished.append(entry["id"])
+    return manifest, list(cells.values()), problems
+
+
+def metric_value(run: Run, metric: str) -> float | None:
+    """A run's value of ``metric``: ``final_accuracy`` / ``best_accuracy``; ``final_<column>`` (the
+    last evaluated round's), ``best_<column>`` (its maximum over evaluated rounds) or a bare
+    ``<column>`` (= final) of any numeric metrics column, e.g. ``balanced_accuracy``,
+    ``few_accuracy``, ``loss``, ``tau_norm_accuracy``."""
+    if metric.startswith("best_"):
+        column = metric.removeprefix("best_")
+        values = [r[column] for r in run.metrics if _is_number(r.get(column))]
+        return float(max(values)) if values else None
+    value = run.final.get(metric.removeprefix("final_"))
+    return float(value) if _is_number(value) else None
+
+
+def _columns(cells: list[Cell]) -> set[str]:
+    return {k for cell in cells for run in cell.runs for row in run.metrics for k, v in row.items() if _is_number(v)}
+
+
+def check_metrics(cells: list[Cell], metrics: list[str]) -> None:
+    known = _columns(cells)
+    if not known:
+        return  # nothing finished yet: every cell reads '–'
+    for metric in metrics:
+        column = metric.removeprefix("best_").removeprefix("final_")
+        if column not in known:
+            raise FedltError(f"--metric {metric}: no run has a {column!r} column (columns: "
+                             f"{', '.join(sorted(known - {'round'}))}; prefix best_ or final_)")
+
+
+def aggregate(cells: list[Cell], metrics: list[str]) -> list[dict[str, Any]]:
+    """Per cell and metric: the mean, the sample standard deviation (n - 1; None for one run) and
+    n over the cell's finished runs, with the values per seed; plus the cell's failures."""
+    import numpy as np
+
+    out = []
+    for cell in cells:
+        stats: dict[str, Any] = {}
+        for metric in metrics:
+            pairs = [(seed, metric_value(run, metric)) for seed, run in zip(cell.seeds, cell.runs)]
+            values = np.array([v for _, v in pairs if v is not None], dtype=np.float64)
+            stats[metric] = {
+                "mean": float(values.mean()) if values.size else None,
+                "std": float(values.std(ddof=1)) if values.size > 1 else None,
+                "n": int(values.size), "values": {str(s): v for s, v in pairs if v is not None},
+            }
+        out.append({"cell": cell.label, "n": len(cell.runs), "failed": cell.failed,
+                    "unfinished": len(cell.unfinished), "metrics": stats})
+    return out
+
+
+def _scaled(metric: str, value: float) -> float:
+    return 100 * value if "accuracy" in metric else value  # accuracies in %, as the papers print them
+
+
+def format_stat(metric: str, stat: dict[str, Any], entry: dict[str, Any], latex: bool = False) -> str:
+    """``95.25 ± 0.31``, with ``(n=2, 1 failed)`` when a seed is missing; ``failed`` / ``–``."""
+    notes = []
+    if entry["failed"]:
+        notes.append(f"{len(entry['failed'])} failed")
+    if entry["unfinished"]:
+        notes.append(f"{entry['unfinished']} unfinished")
+    if stat["mean"] is None:
+        return "failed" if entry["failed"] else ("--" if latex else "–")
+    pm = r" \pm " if latex else " ± "
+    text = f"{_scaled(metric, stat['mean']):.2f}"
+    if stat["std"] is not None:
+        text += f"{pm}{_scaled(metric, stat['std']):.2f}"
+    if latex:
+        text = f"${text}$"
+    if notes:
+        text += f" (n={stat['n']}, {', '.join(notes)})"
+    return text
+
+
+def layout(manifest: dict[str, Any], rows_axes: list[str] | None,
+           cols_axes: list[str] | None) -> tuple[list[str], list[str]]:
+    axes = list(manifest["study"]["axes"]) or sorted({a for r in manifest["runs"] for a in r["label"]})
+    for included in manifest["study"].get("include", []):
+        axes += [a for a in included if a not in axes]
+    cols = list(cols_axes or [])
+    rows = list(rows_axes) if rows_axes else [a for a in axes if a not in cols]
+    for axis in rows + cols:
+        if axis not in axes:
+            raise FedltError(f"--rows/--cols {axis!r} is not an axis of the study (axes: {', '.join(axes) or 'none'})")
+    if set(rows) & set(cols):
+        raise FedltError(f"{', '.join(sorted(set(rows) & set(cols)))} is in both --rows and --cols")
+    missing = [a for a in axes if a not in rows + cols]
+    if missing:
+        raise FedltError(f"axis {', '.join(missing)} is in neither --rows nor --cols: its cells would share "
+                         f"a table cell; add it to one of them")
+    return rows, cols
+
+
+def study_table(aggregated: list[dict[str, Any]], metrics: list[str], rows: list[str], cols: list[str],
+                latex: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Header and body of the table: one line per row key; without ``cols`` one column per
+    metric, with ``cols`` one column per column key holding the first metric."""
+    def key(entry: dict, axes: list[str]) -> tuple[str, ...]:
+        return tuple(entry["cell"].get(a, "–") for a in axes)
+
+    if not cols:
+        header = rows + ["n"] + list(metrics)
+        body = [list(key(e, rows)) + [str(e["n"])] + [format_stat(m, e["metrics"][m], e, latex) for m in metrics]
+                for e in aggregated]
+        return header, body
+    metric = metrics[0]
+    row_keys = list(dict.fromkeys(key(e, rows) for e in aggregated))
+    col_keys = list(dict.fromkeys(key(e, cols) for e in aggregated))
+    table_cells = {(key(e, rows), key(e, cols)): format_stat(metric, e["metrics"][metric], e, latex)
+                   for e in aggregated}
+    header = rows + [", ".join(c) for c in col_keys]
+    body = [list(r) + [table_cells.get((r, c), "") for c in col_keys] for r in row_keys]
+    return header, body
+
+
+def _latex_escape(text: str) -> str:
+    special = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+               "$": r"\$", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+    return "".join(special.get(char, char) for char in text)
+
+
+def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdown", *,
+                 metrics: list[str] | None = None, rows: list[str] | None = None,
+                 cols: list[str] | None = None) -> str:
+    """The study's table as text: ``markdown``, ``csv``, ``latex`` or ``json`` (every cell and
+    metric with its values per seed, whatever the layout)."""
+    import csv
+    import io as text_io
+
+    if fmt not in FORMATS:
+        raise FedltError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if metrics:
+        check_metrics(cells, list(metrics))  # the defaults may be absent (no 'few' class): shown as '–'
+    metrics = list(metrics or STUDY_METRICS)
+    row_axes, col_axes = layout(manifest, rows, cols)
+    aggregated = aggregate(cells, metrics)
+    if fmt == "json":
+        return json.dumps({"metrics": metrics, "cells": aggregated}, indent=2)
+    if fmt == "csv":
+        buffer = text_io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        if not col_axes:
+            writer.writerow(row_axes + ["n", "failed", "unfinished"]
+                            + [f"{m}_{s}" for m in metrics for s in ("mean", "std")])
+            for e in aggregated:
+                writer.writerow([e["cell"].get(a, "") for a in row_axes] + [e["n"], len(e["failed"]), e["unfinished"]]
+                                + [e["metrics"][m][s] if e["metrics"][m][s] is not None else ""
+                                   for m in metrics for s in ("mean", "std")])
+        else:
+            metric = metrics[0]
+            col_keys = list(dict.fromkeys(tuple(e["cell"].get(a, "") for a in col_axes) for e in aggregated))
+            row_keys = list(dict.fromkeys(tuple(e["cell"].get(a, "") for a in row_axes) for e in aggregated))
+            by = {(tuple(e["cell"].get(a, "") for a in row_axes), tuple(e["cell"].get(a, "") for a in col_axes)): e
+                  for e in aggregated}
+            writer.writerow(row_axes + [f"{', '.join(c)} {s}" for c in col_keys for s in ("mean", "std", "n")])
+            for r in row_keys:
+                line = list(r)
+                for c in col_keys:
+                    stat = by[(r, c)]["metrics"][metric] if (r, c) in by else {"mean": None, "std": None, "n": 0}
+                    line += ["" if stat[s] is None else stat[s] for s in ("mean", "std", "n")]
+                writer.writerow(line)
+        return buffer.getvalue()
+    latex = fmt == "latex"
+    header, body = study_table(aggregated, metrics, row_axes, col_axes, latex)
+    if latex:
+        lines = ["% fedlt report: mean \\pm sample std over seeds" + (f" of {metrics[0]}" if col_axes else "")
+                 + "; needs \\usepackage{booktabs}",
+                 "\\begin{tabular}{" + "l" * len(row_axes) + "r" * (len(header) - len(row_axes)) + "}", "\\toprule",
+                 " & ".join(_latex_escape(h) for h in header) + " \\\\", "\\midrule"]
+        lines += [" & ".join(c if c.startswith("$") else _latex_escape(c) for c in row) + " \\\\" for row in body]
+        return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
+    note = f"mean ± sample std over seeds{' of ' + metrics[0] if col_axes else ''}; accuracies in %"
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    failures = [f"- {rid}: {error}" for e in aggregated for rid, error in e["failed"].items()]
+    tail = ["", "Failed runs:", *failures] if failures else []
+    return "\n".join([f"<!-- {note} -->", *lines, *tail]) + "\n"
+
+
+def plot_study(cells: list[Cell], folder: str | Path) -> list[Path]:
+    """``accuracy.png``: per cell, the mean top-1 accuracy per evaluated round with a ±std band
+    over its seeds (rounds every seed evaluated); ``per_class.png``: per cell, the mean final
+    per-class accuracy with ±std bars."""
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    from fedlt.plots import new_figure
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = [c for c in cells if c.runs]
+    if not shown:
+        raise FedltError("no finished run to plot yet")
+    fig = new_figure(11, 4.5)
+    ax = fig.add_subplot()
+    for cell in shown:
+        rounds = sorted(set.intersection(*({r["round"] for r in run.metrics} for run in cell.runs)))
+        curves = np.array([[100 * {r["round"]: r["accuracy"] for r in run.metrics}[x] for x in rounds]
+                           for run in cell.runs], dtype=np.float64)
+        mean = curves.mean(0)
+        std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        line, = ax.plot(rounds, mean, marker="o" if len(rounds) <= 30 else None, markersize=3,
+                        label=f"{cell.name} (n={len(curves)})")
+        ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%), mean ± std over seeds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    written = [_save(fig, folder / "accuracy.png")]
+
+    per_class = []
+    for cell in shown:
+        lists = [run.final.get("per_class_accuracy") or [] for run in cell.runs]
+        width = max(len(v) for v in lists)
+        values = np.array([[_pct_or_nan(a) for a in v] + [np.nan] * (width - len(v)) for v in lists])
+        per_class.append((cell, np.nanmean(values, 0) if values.size else values,
+                          np.nanstd(values, 0, ddof=1) if len(values) > 1 else np.zeros(width)))
+    num_classes = max(max(len(m) for _, m, _ in per_class), 1)
+    fig = new_figure(float(np.clip(0.35 * num_classes * len(shown) ** 0.5 + 3, 6, 24)), 4.2)
+    ax = fig.add_subplot()
+    bar = 0.8 / len(per_class)
+    for k, (cell, mean, std) in enumerate(per_class):
+        ax.bar(np.arange(len(mean)) + (k - (len(per_class) - 1) / 2) * bar, mean, width=bar, yerr=std,
+               capsize=2, label=cell.name)
+    ax.set_xlabel("class")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_title("per-class accuracy, mean ± std over seeds")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    written.append(_save(fig, folder / "per_class.png"))
+    return written
