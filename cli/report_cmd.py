@@ -75,7 +75,7 @@ def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, outpu
 
 
 def _runs(runs: list[Path], plot: Optional[Path]) -> None:
-    from fedlt.report import read_runs, table, write_plots
+    from fedlt.report import participation_table, read_runs, table, write_plots
 
     loaded, problems = read_runs(runs)
     if not loaded:
@@ -84,6 +84,9 @@ def _runs(runs: list[Path], plot: Optional[Path]) -> None:
     if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
         console.width = 160
     console.print(table(loaded))
+    lost = participation_table(loaded)
+    if lost is not None:
+        console.print(lost)
     if plot is not None:
         for path in write_plots(loaded, plot):
             typer.echo(f"wrote {path}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class Run:
     summary: dict[str, Any] | None  # None while the run is unfinished
     manifest: dict[str, Any] | None  # the partition manifest, if the run saved one
     checkpoint_round: int | None
+    participation: list[dict[str, Any]] = field(default_factory=list)  # per round: sampled, returned, dropped
 
     @property
     def finished(self) -> bool:
@@ -75,7 +76,8 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     return row
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
+def _read_metrics(path: Path, participation: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The evaluated rounds' rows; every round's participation (docs/faults.md) into ``participation``."""
     if not path.is_file():
         return []
     try:
@@ -97,6 +99,9 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         _check_row(row, f"{path}: line {number}")
         if "accuracy" in row:  # an evaluated round
             rows.append(row)
+        if participation is not None and isinstance(row.get("sampled"), list) and isinstance(row.get("dropped"), dict):
+            participation.append({"round": row.get("round"), "sampled": row["sampled"],
+                                  "returned": row.get("returned", []), "dropped": row["dropped"]})
     return rows
 
 
@@ -143,10 +148,11 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     done = checkpoint.get("round")
     if done is not None and (isinstance(done, bool) or not isinstance(done, int) or done < 0):
         raise FedltError(f"{path / 'checkpoint.json'}: 'round' is {done!r}, not a round count")
-    metrics = _read_metrics(path / "metrics.jsonl")
+    participation: list[dict[str, Any]] = []
+    metrics = _read_metrics(path / "metrics.jsonl", participation)
     if not metrics:
         raise FedltError(f"{path} has no evaluated round yet (metrics.jsonl is empty)")
-    return Run(path, label or path.name, config, metrics, summary, manifest, done)
+    return Run(path, label or path.name, config, metrics, summary, manifest, done, participation)
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -212,6 +218,23 @@ def table(runs: list[Run]):
         t.add_row(r["run"], str(r["algorithm"]), str(r["dataset"]), rounds, _pct(r["final_accuracy"]),
                   f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
                   _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall)
+    return t
+
+
+def participation_table(runs: list[Run]):
+    """Per round of every run that lost clients: how many were sampled and returned, and who was
+    dropped and why (docs/faults.md); None when no run lost any."""
+    from rich.table import Table
+
+    lost = [(run, p) for run in runs for p in run.participation if p["dropped"]]
+    if not lost:
+        return None
+    t = Table(title="participation: rounds that lost clients")
+    for name, justify in (("run", "left"), ("round", "right"), ("returned", "right"), ("dropped (client: reason)", "left")):
+        t.add_column(name, justify=justify)
+    for run, p in lost:
+        dropped = "; ".join(f"{c}: {reason}" for c, reason in p["dropped"].items())
+        t.add_row(run.label, str(p["round"]), f"{len(p['returned'])}/{len(p['sampled'])}", dropped)
     return t
 
 

@@ -174,3 +174,16 @@ def test_a_round_below_min_results_is_not_applied_and_the_run_resumes_exactly(tm
         assert not differences(ends[0][part], ends[1][part], 0.0), part
     assert [r["returned"] for r in rows(tmp_path / "cut")] == [r["returned"] for r in rows(tmp_path / "whole")]
     assert torch.is_tensor(ends[0]["algorithm"]["model"][next(iter(ends[0]["algorithm"]["model"]))])
+
+
+def test_fedlt_report_shows_the_rounds_that_lost_clients(tmp_path, capsys):
+    from fedlt.cli import main
+
+    scenario = {"name": "scripted", "drops": [[2, sample_clients(8, 0.5, 0, 1)[0]]]}
+    run(small(tmp_path / "lossy", availability=scenario, eval_every=3))
+    run(small(tmp_path / "whole", rounds=1))
+    main(["report", str(tmp_path / "lossy"), str(tmp_path / "whole")])
+    out = capsys.readouterr().out
+    lost = [line for line in out.splitlines() if "unavailable" in line]
+    assert len(lost) == 1 and "lossy" in lost[0] and "3/4" in lost[0]  # round 2 (not an evaluated round)
+    assert f"{scenario['drops'][0][1]}: unavailable" in lost[0]
