@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import sys
 import time
@@ -16,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, overlay, resolve_partition
 from fedlt.errors import FedltError
-from fedlt.spec import parse_spec
+from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
 
 def round_line(row: dict[str, Any], rounds: int) -> str:
@@ -81,19 +80,13 @@ def kept_checkpoint(out: Path) -> str:
 
 def set_value(text: str) -> tuple[list[str], Any]:
     """``--set KEY=VALUE``: a dotted path into the config and a literal value (a number, a string,
-    true/false, none, a list), e.g. ``groups.many_above=50`` or ``eval_batch=512``."""
+    true/false, none, a list), e.g. ``groups.many_above=50`` or ``eval_batch=512``; bounded like a
+    spec (fedlt.spec.parse_value)."""
     key, sep, raw = text.partition("=")
     path = key.strip().split(".")
-    if not sep or not all(p.strip().isidentifier() for p in path):
-        raise FedltError(f"--set {text!r}: expected KEY=VALUE with a dotted KEY, e.g. groups.many_above=50")
-    raw = raw.strip()
-    words = {"none": None, "null": None, "true": True, "false": False}
-    if raw.lower() in words:
-        return path, words[raw.lower()]
-    try:
-        return path, ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return path, raw  # a bare word is a string
+    if not sep or not all(p.strip().isidentifier() for p in path) or len(path) > MAX_DEPTH:
+        raise FedltError(f"--set {shown(text)}: expected KEY=VALUE with a dotted KEY, e.g. groups.many_above=50")
+    return [p.strip() for p in path], parse_value(raw, f"--set {key.strip()}")
 
 
 def number(text: str, flag: str) -> int | float:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, 
 
 from fedlt.errors import FedltError
 from fedlt.registry import create_from_spec
+from fedlt.spec import MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
 MAX_ROUNDS = 100_000
@@ -31,6 +32,11 @@ DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
 
 
 def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any]:
@@ -164,6 +170,29 @@ class RunConfig(Strict):
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
     eval_batch: PositiveInt = Field(2048, le=MAX_BATCH)
     out: Path = Path("runs/latest")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_nesting(cls, data: Any) -> Any:
+        # pydantic and the components' validators walk nested tables recursively
+        depth = data_depth(data)
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the settings are nested {depth} levels deep, more than the {MAX_DEPTH} allowed")
+        return data
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_spec(cls, spec: Any) -> Any:
+        """A spec string (``"dirichlet(beta=0.1)"``), as ``model`` and the aggregator are written;
+        a ``then`` written as a spec string inside a table is read the same way."""
+        try:
+            if isinstance(spec, str):
+                return parse_spec(spec, "partition")
+            if isinstance(spec, dict) and isinstance(spec.get("then"), str):
+                return {**spec, "then": parse_spec(spec["then"], "partition.then")}
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return spec
 
     @field_validator("out", mode="before")
     @classmethod
