@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -283,11 +284,11 @@ def run(
         progress.stop()
         typer.echo(f"stopped after round {stop.round} (signal {stop.signum}); checkpoint saved; "
                    f"continue with: fedlt run --resume {stop.out}", err=True)
-        raise typer.Exit(130) from None
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first round: say what is on disk
+        raise typer.Exit(128 + stop.signum) from None
+    except KeyboardInterrupt as exc:  # a second signal, or a Ctrl-C before the first round: say what is on disk
         progress.stop()
         typer.echo(f"stopped at once; {kept_checkpoint(Path(cfg.out))}", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
     finally:
         progress.stop()
     final = summary["final"]
