@@ -63,7 +63,7 @@ def aggregator_spec(text: str | None, server_lr: float | None, current: Any) -> 
     """``--aggregator SPEC`` / ``--server-lr`` over the config file's aggregator: the same aggregator
     keeps its parameters and the spec's override them, another starts from its spec alone;
     ``--server-lr`` sets its ``eta``."""
-    current = {"name": current} if isinstance(current, str) else dict(current or {"name": "fedavg"})
+    current = parse_spec(current, "aggregator") if isinstance(current, str) else dict(current or {"name": "fedavg"})
     spec = current if text is None else overlay(current, parse_spec(text, "--aggregator"))
     if server_lr is not None:
         spec["eta"] = server_lr

@@ -45,6 +45,19 @@ def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any
     return spec
 
 
+def _spec_strings(value: Any, what: str, nested: tuple[str, ...], whole: bool = True) -> Any:
+    """``value`` with spec strings read as ``{"name": ..., **params}`` tables: ``value`` itself
+    (when ``whole``) and its ``nested`` keys. Anything else is left to the field's validation."""
+    try:
+        if whole and isinstance(value, str):
+            return parse_spec(value, what)
+        if isinstance(value, dict) and any(isinstance(value.get(k), str) for k in nested):
+            return {**value, **{k: parse_spec(value[k], f"{what}.{k}") for k in nested if isinstance(value.get(k), str)}}
+    except FedltError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 class Seeds(Strict):
     """Three independent streams (SPEC §6): changing one leaves the others' draws unchanged."""
 
@@ -183,16 +196,15 @@ class RunConfig(Strict):
     @field_validator("partition", mode="before")
     @classmethod
     def _partition_spec(cls, spec: Any) -> Any:
-        """A spec string (``"dirichlet(beta=0.1)"``), as ``model`` and the aggregator are written;
-        a ``then`` written as a spec string inside a table is read the same way."""
-        try:
-            if isinstance(spec, str):
-                return parse_spec(spec, "partition")
-            if isinstance(spec, dict) and isinstance(spec.get("then"), str):
-                return {**spec, "then": parse_spec(spec["then"], "partition.then")}
-        except FedltError as exc:
-            raise ValueError(str(exc)) from None
-        return spec
+        """A spec string (``"dirichlet(beta=0.1)"``), as ``model`` is written; a ``then`` written
+        as a spec string inside a table is read the same way."""
+        return _spec_strings(spec, "partition", ("then",))
+
+    @field_validator("algorithm_params", mode="before")
+    @classmethod
+    def _aggregator_spec(cls, params: Any) -> Any:
+        """``aggregator = "fedadam(eta=0.01)"``: a spec string, like ``partition`` and ``model``."""
+        return _spec_strings(params, "algorithm_params", ("aggregator",), whole=False)
 
     @field_validator("out", mode="before")
     @classmethod
