@@ -42,8 +42,8 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``: pid -> start time."""
+def descendants(root: int, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
+    """Every live descendant of ``root`` (pid -> start time), but ``skip`` and their own."""
     parents: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
     for entry in os.scandir("/proc"):
@@ -55,7 +55,7 @@ def descendants(root: int) -> dict[int, int]:
     found, stack = {}, list(parents.get(root, []))
     while stack:
         pid = stack.pop()
-        if pid not in found:
+        if pid not in found and pid not in skip:
             found[pid] = starts[pid]
             stack.extend(parents.get(pid, []))
     return found
@@ -86,7 +86,8 @@ def _reap(processes: dict[int, int]) -> None:
             pass
 
 
-# The watchdog: argv = parent pid, then the pids that existed before (never touched). It reads
+# The watchdog: argv = parent pid, then the pids that existed before (never touched, nor their
+# children). It reads
 # its stdin, which the parent holds open; EOF means the parent closed it (done, it cleaned up
 # itself) or died (then it kills what it last saw of the parent's new descendants).
 WATCHDOG = """
@@ -101,7 +102,7 @@ while True:
         break
     if os.getppid() != parent:
         break
-    seen = {p: s for p, s in descendants(parent).items() if p not in before and p != me}
+    seen = descendants(parent, before | {me})
 if os.getppid() != parent:  # the parent died without cleaning up
     kill(seen, signal.SIGKILL)
 """
@@ -133,11 +134,12 @@ class ProcessGuard:
         return self
 
     def started(self) -> dict[int, int]:
-        """The descendants started since the guard was taken (the watchdog excepted)."""
+        """The descendants started since the guard was taken (the watchdog excepted): processes
+        that were there before, and their own children, are someone else's."""
         if not self.active:
             return {}
         mine = {self.watchdog.pid} if self.watchdog is not None else set()
-        return {p: s for p, s in descendants(os.getpid()).items() if p not in self.before and p not in mine}
+        return descendants(os.getpid(), set(self.before) | mine)
 
     def stop_all(self, grace: float = GRACE_S) -> None:
         """SIGTERM every process started since, SIGKILL what is left after ``grace`` seconds."""
