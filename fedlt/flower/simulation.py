@@ -76,9 +76,9 @@ class StopSignals:
 
             # the loop's thread cannot receive the signal itself: raise in it at its next bytecode
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.loop_thread.ident), ctypes.py_object(Second))
-        elif self.count == 2:  # Ray is starting or stopping: nothing of the run's to finish
+        elif self.count == 2 and self.loop_thread is None:  # Ray is starting: nothing of the run's to finish
             raise StoppedAtOnce(signum)
-        else:  # the runtime does not come down: take its processes down by their pids
+        elif self.count >= 3:  # the runtime does not come down: take its processes down by their pids
             self.stop_processes()
 
     def install(self) -> None:
@@ -211,8 +211,10 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
                                                    "init_args": {"logging_level": logging.ERROR,
                                                                  "log_to_driver": False}})
                 finally:
-                    _shutdown_ray()
-                    signals.restore()
+                    try:
+                        _shutdown_ray()
+                    finally:
+                        signals.restore()
         finally:
             guard.stop_all()
             for job in jobs:
