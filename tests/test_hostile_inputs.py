@@ -710,7 +710,7 @@ def test_timm_parameters_that_load_files_or_are_not_the_architectures_are_one_li
     from fedlt.models import build
 
     vit = build("timm:vit_tiny_patch16_224(depth=2, drop_rate=0.1)", in_chans=1, num_classes=3, image_size=32)
-    assert len(vit.blocks) == 2 and vit.drop_rate == 0.1
+    assert len(vit.blocks) == 2 and vit.head_drop.p == 0.1
 
 
 # -- issue 26: signals on the Flower engine (subprocesses: each starts its own Ray) -----------------
