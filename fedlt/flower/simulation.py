@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlt.config import RunConfig
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.flower import require
 
 LOG_NAME = "flower.log"  # Flower's and Ray's log lines of the run, beside its other files
@@ -158,7 +158,10 @@ def start_ray(num_cpus: int | None) -> None:
                             "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}}
     if num_cpus is not None:
         args["num_cpus"] = num_cpus
-    ray.init(**args)
+    try:
+        ray.init(**args)
+    except Exception as exc:  # e.g. "The current node timed out during startup" on an overloaded machine
+        raise FedltError(f"--engine flower: Ray did not start: {first_line(exc)}"[:300]) from None
 
 
 def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any]]:
