@@ -82,6 +82,8 @@ def resolve_partition(partition: str | None, then: str | None, flags: dict[str, 
     given = {k: v for k, v in flags.items() if v is not None}
     if partition is None and then is None and not given:
         return None
+    if isinstance(current, str):  # a config file's spec string, e.g. partition = "dirichlet(beta=0.5)"
+        current = parse_spec(current, "partition")
     outer = {k: given.pop(k) for k in LONGTAIL_FLAGS if k in given}
     implied = _implied_scheme(given)
     if partition is not None:

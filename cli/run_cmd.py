@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, overlay, resolve_partition
 from fedlt.errors import FedltError
-from fedlt.spec import parse_spec
+from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
 
 def round_line(row: dict[str, Any], rounds: int) -> str:
@@ -63,7 +63,7 @@ def aggregator_spec(text: str | None, server_lr: float | None, current: Any) -> 
     """``--aggregator SPEC`` / ``--server-lr`` over the config file's aggregator: the same aggregator
     keeps its parameters and the spec's override them, another starts from its spec alone;
     ``--server-lr`` sets its ``eta``."""
-    current = {"name": current} if isinstance(current, str) else dict(current or {"name": "fedavg"})
+    current = parse_spec(current, "aggregator") if isinstance(current, str) else dict(current or {"name": "fedavg"})
     spec = current if text is None else overlay(current, parse_spec(text, "--aggregator"))
     if server_lr is not None:
         spec["eta"] = server_lr
@@ -81,19 +81,13 @@ def kept_checkpoint(out: Path) -> str:
 
 def set_value(text: str) -> tuple[list[str], Any]:
     """``--set KEY=VALUE``: a dotted path into the config and a literal value (a number, a string,
-    true/false, none, a list), e.g. ``groups.many_above=50`` or ``eval_batch=512``."""
+    true/false, none, a list), e.g. ``groups.many_above=50`` or ``eval_batch=512``; bounded like a
+    spec (fedlt.spec.parse_value)."""
     key, sep, raw = text.partition("=")
     path = key.strip().split(".")
-    if not sep or not all(p.strip().isidentifier() for p in path):
-        raise FedltError(f"--set {text!r}: expected KEY=VALUE with a dotted KEY, e.g. groups.many_above=50")
-    raw = raw.strip()
-    words = {"none": None, "null": None, "true": True, "false": False}
-    if raw.lower() in words:
-        return path, words[raw.lower()]
-    try:
-        return path, ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return path, raw  # a bare word is a string
+    if not sep or not all(p.strip().isidentifier() for p in path) or len(path) > MAX_DEPTH:
+        raise FedltError(f"--set {shown(text)}: expected KEY=VALUE with a dotted KEY, e.g. groups.many_above=50")
+    return [p.strip() for p in path], parse_value(raw, f"--set {key.strip()}")
 
 
 def number(text: str, flag: str) -> int | float:
@@ -290,11 +284,11 @@ def run(
         progress.stop()
         typer.echo(f"stopped after round {stop.round} (signal {stop.signum}); checkpoint saved; "
                    f"continue with: fedlt run --resume {stop.out}", err=True)
-        raise typer.Exit(130) from None
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first round: say what is on disk
+        raise typer.Exit(128 + stop.signum) from None
+    except KeyboardInterrupt as exc:  # a second signal, or a Ctrl-C before the first round: say what is on disk
         progress.stop()
         typer.echo(f"stopped at once; {kept_checkpoint(Path(cfg.out))}", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
     finally:
         progress.stop()
     final = summary["final"]

@@ -18,10 +18,11 @@ from collections.abc import Collection, Sequence
 from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from fedlt.errors import FedltError
 from fedlt.registry import Registry
+from fedlt.spec import numbers_are_numbers
 
 State = dict[str, torch.Tensor]
 
@@ -76,6 +77,11 @@ class Aggregator(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "aggregator"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
 
     def __call__(self, global_state: State, results: Sequence[tuple[State, float]],
                  trainable: Collection[str]) -> State:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, 
 
 from fedlt.errors import FedltError
 from fedlt.registry import create_from_spec
+from fedlt.spec import MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
 MAX_ROUNDS = 100_000
@@ -32,11 +33,29 @@ DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
+
 
 def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Validate ``{"name": ..., **params}`` by creating the component (cheap, no data touched)."""
     create_from_spec(registry, spec, what)
     return spec
+
+
+def _spec_strings(value: Any, what: str, nested: tuple[str, ...], whole: bool = True) -> Any:
+    """``value`` with spec strings read as ``{"name": ..., **params}`` tables: ``value`` itself
+    (when ``whole``) and its ``nested`` keys. Anything else is left to the field's validation."""
+    try:
+        if whole and isinstance(value, str):
+            return parse_spec(value, what)
+        if isinstance(value, dict) and any(isinstance(value.get(k), str) for k in nested):
+            return {**value, **{k: parse_spec(value[k], f"{what}.{k}") for k in nested if isinstance(value.get(k), str)}}
+    except FedltError as exc:
+        raise ValueError(str(exc)) from None
+    return value
 
 
 class Seeds(Strict):
@@ -164,6 +183,28 @@ class RunConfig(Strict):
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
     eval_batch: PositiveInt = Field(2048, le=MAX_BATCH)
     out: Path = Path("runs/latest")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_nesting(cls, data: Any) -> Any:
+        # pydantic and the components' validators walk nested tables recursively
+        depth = data_depth(data)
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the settings are nested {depth} levels deep, more than the {MAX_DEPTH} allowed")
+        return data
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_spec(cls, spec: Any) -> Any:
+        """A spec string (``"dirichlet(beta=0.1)"``), as ``model`` is written; a ``then`` written
+        as a spec string inside a table is read the same way."""
+        return _spec_strings(spec, "partition", ("then",))
+
+    @field_validator("algorithm_params", mode="before")
+    @classmethod
+    def _aggregator_spec(cls, params: Any) -> Any:
+        """``aggregator = "fedadam(eta=0.01)"``: a spec string, like ``partition`` and ``model``."""
+        return _spec_strings(params, "algorithm_params", ("aggregator",), whole=False)
 
     @field_validator("out", mode="before")
     @classmethod

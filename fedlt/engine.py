@@ -86,6 +86,14 @@ class RunStopped(KeyboardInterrupt):
         self.signum, self.round, self.out = signum, round_done, out
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM: the run stopped mid-round; the last checkpoint on disk stands."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped at once by a second signal {signum}")
+        self.signum = signum
+
+
 def load_data(config: RunConfig) -> InMemoryDataset:
     data = fedlt.datasets.create(config.dataset, root=config.data_root, download=config.download)
     return data.limit(config.train_limit, config.test_limit)
@@ -251,7 +259,7 @@ def stop_on_signal(state: RunState) -> Iterator[None]:
 
     def handler(signum, frame):
         if state.stop_signal is not None:
-            raise KeyboardInterrupt(f"stopped at once by a second signal {signum}")
+            raise StoppedAtOnce(signum)
         state.stop_signal = signum
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -308,7 +316,8 @@ def train_round(algorithm: Any, ctx: RunContext, round_index: int, participants:
 def run(config: RunConfig, *, resume: bool = False,
         on_round: Callable[[int, dict[str, Any]], None] | None = None,
         on_start: Callable[[int], None] | None = None,
-        runner: ClientRunner | None = None) -> dict[str, Any]:
+        runner: ClientRunner | None = None,
+        stop_requested: Callable[[], int | None] | None = None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) the experiment ``config`` in ``config.out``, holding
     the run directory for the whole run (``fedlt.rundir.claim``: one process per directory, and a
     new run only into a new or empty one).
@@ -316,11 +325,19 @@ def run(config: RunConfig, *, resume: bool = False,
     ``runner`` runs each round's client work (fedlt.algorithms.protocol.ClientRunner): an
     engine passes its own (Flower's ServerApp sends messages). Without one, ``config.engine``
     picks the registered engine, which calls back here with its runner (``local``: this process).
+    ``stop_requested()`` is asked after every round when the loop runs off the main thread (where
+    it cannot catch signals): the signal number the engine's own handler caught, or None.
     """
     if runner is None:
         return ENGINES.get(config.engine)(config, resume=resume, on_round=on_round, on_start=on_start)
     with rundir.claim(Path(config.out), resume=resume):
-        return _run_claimed(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner)
+        try:
+            return _run_claimed(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner,
+                                stop_requested=stop_requested)
+        except FedltError:
+            if not resume:  # refused in its first rounds, before any checkpoint: nothing worth keeping
+                rundir.discard_unstarted(Path(config.out))
+            raise
 
 
 @ENGINES.register("local")
@@ -344,7 +361,8 @@ def flower_engine(config: RunConfig, **options: Any) -> dict[str, Any]:
 def _run_claimed(config: RunConfig, *, resume: bool = False,
                  on_round: Callable[[int, dict[str, Any]], None] | None = None,
                  on_start: Callable[[int], None] | None = None,
-                 runner: ClientRunner) -> dict[str, Any]:
+                 runner: ClientRunner,
+                 stop_requested: Callable[[], int | None] | None = None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) the experiment ``config`` in ``config.out``.
 
     ``on_start(rounds_done)`` is called once every check has passed, just before the first round
@@ -476,6 +494,8 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
                 save_checkpoint()
             if on_round is not None:
                 on_round(state.round, row)
+            if state.stop_signal is None and stop_requested is not None:
+                state.stop_signal = stop_requested()
             if state.stop_signal is not None and state.round < config.rounds:
                 if state.checkpoint_round != state.round:
                     save_checkpoint()

@@ -12,8 +12,10 @@
 
 On exit the lock file is removed (while still held), and a directory that ``claim`` created and
 that stayed empty is removed again, so a run refused before it wrote anything leaves the file
-system as it found it. ``remove_leftovers`` deletes the temporary files a kill during an atomic
-write leaves; the engine calls it once everything has been validated, just before it writes.
+system as it found it; ``discard_unstarted`` removes the files of a new run refused before its
+first checkpoint (a first round that fails), so that leaves nothing either. ``remove_leftovers``
+deletes the temporary files a kill during an atomic write leaves; the engine calls it once
+everything has been validated, just before it writes.
 
 ``check_directory`` / ``check_file`` are the one place where an OS error on a user's output path
 becomes a one-line FedltError; every command that writes calls them before it does any work.
@@ -35,7 +37,7 @@ from fedlt.errors import FedltError
 
 LOCK_NAME = ".fedlt.lock"
 RUN_FILES = ("config.json", "partition.json", "partition.npz", "metrics.jsonl", "checkpoint.pt",
-             "checkpoint.json", "summary.json")
+             "checkpoint.json", "summary.json", "flower.log")
 # what fedlt.io._atomic and Partition.save name their temporary files: ".<target>.<random>.tmp"
 _LEFTOVER = re.compile(r"^\.(?:%s)\.[^/]+\.tmp$" % "|".join(re.escape(n) for n in RUN_FILES))
 
@@ -141,6 +143,19 @@ def leftovers(folder: Path) -> list[Path]:
 def remove_leftovers(folder: Path) -> None:
     for path in leftovers(folder):
         path.unlink(missing_ok=True)
+
+
+def discard_unstarted(out: Path) -> None:
+    """Remove what a new run wrote in ``out`` when it failed before its first checkpoint: there is
+    nothing to resume, and a refused run leaves the file system as it found it. A new run's
+    directory held no other file when it was claimed (``_refuse_foreign``), so each file removed
+    here is the run's own; with a checkpoint on disk nothing is touched."""
+    out = Path(out)
+    if (out / "checkpoint.pt").exists() or (out / "checkpoint.json").exists():
+        return
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    remove_leftovers(out)
 
 
 def _holder(lock: Path) -> str:

@@ -11,12 +11,18 @@ Parsed with :mod:`ast`, never ``eval`` (like the loss expressions of ``fedlt.los
 keyword arguments only, each a literal (number, string, ``True``/``False``/``None``, a list or
 tuple of literals), a bare word (a string: ``rule=share``; ``none``/``null`` mean ``None``) or a
 nested spec. A name may contain ``:``, ``.``, ``-`` and ``/`` (``timm:vit_tiny_patch16_224``).
+
+A spec (and a ``--set`` value) is at most ``MAX_TEXT_LENGTH`` characters and ``MAX_DEPTH`` levels
+deep, the bounds of loss expressions: Python's parser and every walk over the tree stay far from
+the recursion limit, and each refusal is one line. Numbers are numbers: ``b'1'``, ``1j`` and sets
+are refused here, and ``numbers_are_numbers`` refuses a boolean where a model field wants a number.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import typing
 from typing import Any
 
 from fedlt.errors import FedltError
@@ -25,39 +31,116 @@ _NAME = re.compile(r"\s*([A-Za-z_][\w.:/-]*)\s*(?:\((.*)\))?\s*", re.DOTALL)
 _EXAMPLE = "e.g. 'dirichlet(beta=0.1, min_size=10)' or 'longtail(imbalance_factor=100, then=dirichlet(beta=0.5))'"
 _NONE_WORDS = {"none", "null"}
 
+# The bounds of loss expressions (fedlt.losses.compose): a real spec is a few dozen characters and
+# three levels deep; a config file's tables are a handful of levels.
+MAX_TEXT_LENGTH = 2000
+MAX_DEPTH = 64
+
+
+def shown(text: str) -> str:
+    """``text`` quoted for a message, cut to 80 characters."""
+    return repr(text) if len(text) <= 80 else repr(text[:77] + "...")
+
+
+def _depth(node: ast.AST) -> int:
+    """Nesting depth of an AST, walked without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        current, level = stack.pop()
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in ast.iter_child_nodes(current))
+    return deepest
+
+
+def data_depth(value: Any) -> int:
+    """Nesting depth of plain data (dicts and lists inside each other), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        current, level = stack.pop()
+        deepest = max(deepest, level)
+        if isinstance(current, dict):
+            stack.extend((v, level + 1) for v in current.values())
+        elif isinstance(current, (list, tuple)):
+            stack.extend((v, level + 1) for v in current)
+    return deepest
+
+
+def parse_expression(text: str, what: str, written: str | None = None) -> ast.expr:
+    """``text`` as a Python expression tree (never evaluated) within the bounds above; every
+    failure of Python's parser (syntax, null bytes, nesting, memory) is one FedltError line naming
+    ``what`` and quoting ``written`` (what the user wrote; ``text`` by default)."""
+    written = text if written is None else written
+    if len(text) > MAX_TEXT_LENGTH:
+        raise FedltError(f"{what}: {len(written)} characters, more than the {MAX_TEXT_LENGTH} allowed")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        raise FedltError(f"{what} {shown(written)}: invalid syntax") from None
+    depth = _depth(tree)
+    if depth > MAX_DEPTH:
+        raise FedltError(f"{what} {shown(written)}: nested {depth} levels deep, more than the {MAX_DEPTH} allowed")
+    return tree
+
+
+class NotALiteral(ValueError):
+    """A node that is not one of the literals specs and ``--set`` accept."""
+
+
+def literal(node: ast.AST, *, tables: bool = False) -> Any:
+    """The plain value of a literal node: a number (with an optional sign), a string, True / False /
+    None, a list or tuple of literals, and with ``tables`` a dict with string keys. Anything else —
+    bytes, complex numbers, sets, names, calls, arithmetic — raises NotALiteral. The caller bounds
+    the tree's depth (parse_expression), so the recursion here stays shallow."""
+    if isinstance(node, ast.Constant):
+        if node.value is None or isinstance(node.value, (bool, int, float, str)):
+            return node.value
+        raise NotALiteral(f"{type(node.value).__name__} is not a value fedlt reads")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, ast.List):
+        return [literal(item, tables=tables) for item in node.elts]
+    if isinstance(node, ast.Tuple):
+        return tuple(literal(item, tables=tables) for item in node.elts)
+    if tables and isinstance(node, ast.Dict):
+        keys = [literal(k) if k is not None else None for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise NotALiteral("a table's keys must be strings")
+        return {k: literal(v, tables=True) for k, v in zip(keys, node.values)}
+    raise NotALiteral(f"{ast.unparse(node)[:60]!r} is not a literal")
+
 
 def parse_spec(text: str, what: str = "component") -> dict[str, Any]:
     """``"name(k=v, ...)"`` as ``{"name": "name", **params}``; a one-line FedltError naming ``what``
     (the flag or field) when the text is not a spec."""
     if not isinstance(text, str) or not text.strip():
-        raise FedltError(f"{what}: expected a component spec ({_EXAMPLE}), got {text!r}")
+        raise FedltError(f"{what}: expected a component spec ({_EXAMPLE}), got {text!r}"[:300])
+    if len(text) > MAX_TEXT_LENGTH:
+        raise FedltError(f"{what}: a spec of {len(text)} characters, more than the {MAX_TEXT_LENGTH} allowed")
     match = _NAME.fullmatch(text)
     if match is None:
-        raise FedltError(f"{what} {text!r}: not a component spec; {_EXAMPLE}")
+        raise FedltError(f"{what} {shown(text)}: not a component spec; {_EXAMPLE}")
     name, args = match.group(1), match.group(2)
     if args is None or not args.strip():
         return {"name": name}
-    try:
-        call = ast.parse(f"f({args})", mode="eval").body
-    except SyntaxError:
-        call = None
+    call = parse_expression(f"f({args})", what, text)
     # "a(x=1) + b(y=2)" also matches the pattern: only one call of the name is a spec
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "f"):
-        raise FedltError(f"{what} {text!r}: invalid syntax in the parameters; {_EXAMPLE}")
+        raise FedltError(f"{what} {shown(text)}: invalid syntax in the parameters; {_EXAMPLE}")
     return {"name": name, **_params(call, name, text, what)}
 
 
 def _params(call: ast.Call, name: str, text: str, what: str) -> dict[str, Any]:
     if call.args:
-        raise FedltError(f"{what} {text!r}: {name}(...) takes keyword arguments only, like {name}(k=1)")
+        raise FedltError(f"{what} {shown(text)}: {name}(...) takes keyword arguments only, like {name}(k=1)")
     params: dict[str, Any] = {}
     for kw in call.keywords:
         if kw.arg is None:
-            raise FedltError(f"{what} {text!r}: '**' is not allowed")
+            raise FedltError(f"{what} {shown(text)}: '**' is not allowed")
         if kw.arg in params:
-            raise FedltError(f"{what} {text!r}: {kw.arg!r} is given twice")
+            raise FedltError(f"{what} {shown(text)}: {kw.arg!r} is given twice")
         if kw.arg == "name":
-            raise FedltError(f"{what} {text!r}: 'name' is the component's own; not a parameter")
+            raise FedltError(f"{what} {shown(text)}: 'name' is the component's own; not a parameter")
         params[kw.arg] = _value(kw.value, f"{name}({kw.arg}=...)", text, what)
     return params
 
@@ -68,10 +151,35 @@ def _value(node: ast.AST, where: str, text: str, what: str) -> Any:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):  # a nested spec
         return {"name": node.func.id, **_params(node, node.func.id, text, what)}
     try:
-        return ast.literal_eval(node)
-    except (ValueError, SyntaxError, TypeError):
-        raise FedltError(f"{what} {text!r}: {where} must be a literal (number, string, True/False/None), "
-                         f"a word or a nested spec, got {ast.unparse(node)!r}") from None
+        return literal(node)
+    except NotALiteral as exc:
+        raise FedltError(f"{what} {shown(text)}: {where} must be a literal (number, string, True/False/None, "
+                         f"a list), a word or a nested spec ({exc})") from None
+
+
+def parse_value(text: str, what: str) -> Any:
+    """A ``--set`` value: a literal (number, string, true/false/none, list, table), else the text
+    itself as a string (``--set dataset=cifar10``, ``--set out=runs/x``); too long or too deep is
+    one FedltError line, like a spec."""
+    raw = text.strip()
+    words = {"none": None, "null": None, "true": True, "false": False}
+    if raw.lower() in words:
+        return words[raw.lower()]
+    if len(raw) > MAX_TEXT_LENGTH:
+        raise FedltError(f"{what}: a value of {len(raw)} characters, more than the {MAX_TEXT_LENGTH} allowed")
+    try:
+        tree = parse_expression(raw, what)
+    except FedltError as exc:
+        if "levels deep" in str(exc):
+            raise
+        return raw  # not Python syntax: a bare string
+    try:
+        return literal(tree, tables=True)
+    except NotALiteral:
+        if isinstance(tree, ast.Constant):  # bytes, complex, ...: a literal of a kind fedlt never reads
+            raise FedltError(f"{what}: {shown(raw)} is not a number, string, true/false/none, list or table") \
+                from None
+        return raw
 
 
 def format_spec(spec: str | dict[str, Any]) -> str:
@@ -81,3 +189,29 @@ def format_spec(spec: str | dict[str, Any]) -> str:
     params = ", ".join(f"{k}={format_spec(v) if isinstance(v, dict) else repr(v)}"
                        for k, v in spec.items() if k != "name")
     return f"{spec['name']}({params})" if params else str(spec["name"])
+
+
+# -- numbers are numbers ----------------------------------------------------------------------------
+def _wants_number(annotation: Any) -> bool:
+    """Whether a field's type is a number (int, float, or an optional / union of them, not bool)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is not None else (annotation,)
+    if typing.get_origin(annotation) is typing.Annotated:
+        args = typing.get_args(annotation)[:1]
+    return bool(args) and bool not in args and any(a in (int, float) for a in args)
+
+
+def numbers_are_numbers(model: type, data: Any) -> Any:
+    """For a pydantic ``model_validator(mode="before")``: refuse, naming the field, a boolean given
+    to a field typed as a number and bytes given to any field (pydantic's lax mode would read
+    ``True`` as 1, ``b'1'`` as 1.0 or as the string "1")."""
+    if not isinstance(data, dict):
+        return data
+    fields = getattr(model, "model_fields", {})
+    for key, value in data.items():
+        number = key in fields and _wants_number(fields[key].annotation)
+        if isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"{key}: expected {'a number' if number else 'text or a number'}, got bytes "
+                             f"({bytes(value)[:40]!r})")
+        if isinstance(value, bool) and number:
+            raise ValueError(f"{key}: expected a number, got a boolean ({value})")
+    return data

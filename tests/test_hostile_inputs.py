@@ -549,3 +549,280 @@ def test_config_api_refuses_what_the_cli_refuses(tmp_path):
     with pytest.raises(FedltError, match="did not write"):
         run(RunConfig(algorithm="fedavg", model="mlp", out=tmp_path))
     assert tree(tmp_path) == before
+
+
+# -- issue 26: specs, --set, config strings: bounded, one line, nothing created ----------------------
+def chain(kind: str, n: int) -> str:
+    """A value nested ``n`` levels deep (or ``n`` terms long) in one of the shapes that used to end
+    in a RecursionError or MemoryError traceback."""
+    return {"minus": "-" * n + "1", "plus": "1" + "+1" * n, "not": "not " * n + "1",
+            "list": "[" * n + "]" * n, "call": "a(x=" * n + "1" + ")" * n}[kind]
+
+
+SPEC_FLAGS = [  # (value, folder) -> argv
+    lambda v, d: ["run", *TINY, "--partition", f"dirichlet(beta={v})", "--out", str(d / "run")],
+    lambda v, d: ["run", *TINY, "--aggregator", f"fedadam(eta={v})", "--out", str(d / "run")],
+    lambda v, d: ["run", *TINY, "--model", f"mlp(width={v})", "--out", str(d / "run")],
+    lambda v, d: ["run", *TINY, "--partition", "longtail", "--then", f"dirichlet(beta={v})", "--out", str(d / "run")],
+    lambda v, d: ["partition", "--partition", f"dirichlet(beta={v})", "--save", str(d / "p.npz")],
+    lambda v, d: ["run", *TINY, "--set", f"eval_batch={v}", "--out", str(d / "run")],
+]
+
+
+@FEW
+@given(flag=st.sampled_from(range(len(SPEC_FLAGS))), kind=st.sampled_from(["minus", "plus", "not", "list", "call"]),
+       n=st.sampled_from([70, 1000, 5000, 20_000]))
+def test_deep_or_long_specs_and_set_values_are_one_line(tmp_path_factory, capsys, flag, kind, n):
+    folder = tmp_path_factory.mktemp("spec")
+    err = fails_cleanly(SPEC_FLAGS[flag](chain(kind, n), folder), capsys, folder)
+    assert len(err) < 400 and ("allowed" in err or "literal" in err or "syntax" in err or "eval_batch" in err), err
+
+
+TYPE_CONFUSION = [
+    (["--partition", "dirichlet(beta=b'1')"], "bytes"),
+    (["--partition", "dirichlet(beta=True)"], "beta: expected a number, got a boolean"),
+    (["--partition", "dirichlet(beta=0.5, min_size=False)"], "min_size: expected a number"),
+    (["--partition", "dirichlet(beta=1j)"], "complex"),
+    (["--partition", "dirichlet(beta={1})"], "literal"),
+    (["--partition", "longtail(imbalance_factor=True)"], "imbalance_factor: expected a number"),
+    (["--aggregator", "fedadam(eta=True)"], "eta: expected a number"),
+    (["--set", "eval_batch=True"], "eval_batch: expected a number, got a boolean"),
+    (["--set", "seeds.model=false"], "seeds: model: expected a number"),
+    (["--set", "eval_batch=b'512'"], "eval_batch"),
+    (["--set", "eval_batch={[1]:2}"], "eval_batch"),
+    (["--set", "optimiser.lr=True"], "lr: expected a number"),
+    (["--set", "x" + ".x" * 100 + "=1"], "--set"),
+]
+
+
+@pytest.mark.parametrize("flags, named", TYPE_CONFUSION, ids=[" ".join(f)[:40] for f, _ in TYPE_CONFUSION])
+def test_booleans_bytes_and_odd_literals_where_numbers_belong_are_one_line(flags, named, tmp_path, capsys):
+    err = fails_cleanly(["run", *TINY, *flags, "--out", str(tmp_path / "run")], capsys, tmp_path)
+    assert named in err, err
+
+
+def test_config_files_and_a_tampered_config_json_meet_the_same_limits(finished_run, tmp_path, capsys):
+    deep = "dirichlet(beta=" + "-" * 1000 + "1)"
+    cases = {
+        "partition.toml": f'partition = "{deep}"\n',
+        "model.toml": f'model = "mlp(width={"-" * 5000}1)"\n',
+        "aggregator.toml": f'algorithm = "fedavg"\n[algorithm_params]\naggregator = "{deep}"\n',
+        "then.toml": f'[partition]\nname = "longtail"\nimbalance_factor = 10\nthen = "{deep}"\n',
+        "bool.toml": "eval_batch = true\n",
+        "deep.json": json.dumps({"partition": json.loads('{"name": "longtail", "then": ' * 300 + '"iid"'
+                                                         + "}" * 300)}),
+        "bytes.yaml": "eval_batch: !!binary MTIz\n",
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        err = fails_cleanly(["run", "--config", str(tmp_path / name), "--out", str(tmp_path / "run")], capsys,
+                            tmp_path)
+        assert len(err) < 400, (name, err)
+    for field, value in [("model", "mlp(width=" + "-" * 1000 + "1)"), ("partition", deep), ("eval_batch", True)]:
+        out = copy_run(finished_run, tmp_path / f"resume-{field}")
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(saved | {field: value}))
+        fails_cleanly(["run", "--resume", str(out), "--quiet"], capsys, out)
+
+
+def test_partition_in_a_config_file_may_be_a_spec_string_like_model_and_aggregator(tmp_path, resolved):
+    path = tmp_path / "c.toml"
+    path.write_text('algorithm = "fedavg"\npartition = "dirichlet(beta=0.5, min_size=2)"\n'
+                    '[algorithm_params]\naggregator = "fedadam(eta=0.1)"\n')
+    cfg = resolved("--config", str(path))
+    assert cfg.partition == {"name": "dirichlet", "beta": 0.5, "min_size": 2}
+    assert cfg.algorithm_params == {"aggregator": {"name": "fedadam", "eta": 0.1}}
+    # the flags merge into it as into a table
+    assert resolved("--config", str(path), "--beta", "0.1").partition == {"name": "dirichlet", "beta": 0.1,
+                                                                          "min_size": 2}
+    assert resolved("--config", str(path), "--server-lr", "0.2").algorithm_params["aggregator"] == \
+        {"name": "fedadam", "eta": 0.2}
+    path.write_text('partition = "longtail(imbalance_factor=10, then=dirichlet(beta=0.5))"\n')
+    assert resolved("--config", str(path)).partition == {"name": "longtail", "imbalance_factor": 10,
+                                                         "then": {"name": "dirichlet", "beta": 0.5}}
+
+
+# -- issue 26: partition files that pass the hash but cannot work ------------------------------------
+def saved_partition(path: Path, sizes: list[int]) -> Path:
+    """A partition written by fedlt's own Partition.build(...).save (valid sha256) over TINY's 400
+    training samples, with clients of the given sizes (0: an empty client)."""
+    from fedlt.datasets import create
+    from fedlt.partitioners import Partition
+
+    labels = create("mnist").limit(400, 100).y_train.numpy()
+    starts = np.cumsum([0, *sizes])
+    indices = [np.arange(a, b, dtype=np.int64) for a, b in zip(starts[:-1], starts[1:])]
+    Partition.build(indices, labels, 10, name="hand", params={}, seed=0, dataset_name="mnist").save(path)
+    return path
+
+
+def raw_member_partition(good: Path, path: Path) -> Path:
+    """``good`` with its manifest stored as raw bytes (a zip member that is not .npy data)."""
+    import zipfile
+
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(path, "w") as dst:
+        for item in src.namelist():
+            data = src.read(item)
+            dst.writestr("manifest" if item == "manifest.npy" else item, b"{}" if item == "manifest.npy" else data)
+    return path
+
+
+def test_partition_files_with_empty_clients_or_raw_members_are_refused_before_anything_is_written(
+        finished_run, tmp_path, capsys):
+    files = {"all empty": saved_partition(tmp_path / "all-empty.npz", [0, 0, 0, 0]),
+             "one empty": saved_partition(tmp_path / "one-empty.npz", [100, 0, 150, 150]),
+             "raw member": raw_member_partition(finished_run / "partition.npz", tmp_path / "raw.npz")}
+    for case, path in files.items():
+        err = fails_cleanly(["run", *TINY, "--partition-file", str(path), "--out", str(tmp_path / "run")], capsys,
+                            tmp_path)
+        assert str(path) in err and ("hold no sample" in err or "not a .npy array" in err), (case, err)
+        out = copy_run(finished_run, tmp_path / case.replace(" ", "-"))
+        shutil.copy(path, out / "partition.npz")
+        err = fails_cleanly(["run", "--resume", str(out), "--quiet"], capsys, out)
+        assert "partition.npz" in err, (case, err)
+
+
+def test_a_first_round_that_fails_leaves_nothing_behind(tmp_path, capsys):
+    # the settings pass validation; the first round's loss is not finite: exit 2, no directory
+    err = fails_cleanly(["run", *TINY, "--lr", "1e30", "--out", str(tmp_path / "a" / "run")], capsys, tmp_path)
+    assert "no checkpoint had been written" in err
+    (tmp_path / "empty").mkdir()
+    fails_cleanly(["run", *TINY, "--lr", "1e30", "--out", str(tmp_path / "empty")], capsys, tmp_path)
+
+
+# -- issue 26: timm parameters ---------------------------------------------------------------------
+def test_timm_parameters_that_load_files_or_are_not_the_architectures_are_one_line(tmp_path, capsys):
+    pytest.importorskip("timm")
+    weights = tmp_path / "some.pt"
+    torch.save({"conv1.weight": torch.zeros(1)}, weights)
+    cases = [(f"timm:resnet10t(checkpoint_path='{weights}')", "checkpoint_path would load"),
+             (f"timm:resnet10t(checkpoint_path='{tmp_path / 'missing.pt'}')", "checkpoint_path would load"),
+             ("timm:resnet10t(pretrained_cfg_overlay=none)", "pretrained_cfg_overlay would load"),
+             ("timm:resnet10t(pretrained=False)", "pretrained would load"),
+             ("timm:resnet10t(cache_dir='/tmp')", "cache_dir"),
+             ("timm:resnet10t(features_only=True)", "features_only is not a parameter of ResNet"),
+             ("timm:resnet10t(img_size=64)", "from the dataset"),
+             ("timm:resnet10t(no_such=1)", "no_such is not a parameter of ResNet")]
+    for model, needle in cases:
+        err = fails_cleanly(["run", *TINY, "--model", model, "--out", str(tmp_path / "run")], capsys, tmp_path)
+        assert needle in err, (model, err)
+    # the architecture's own parameters pass through
+    from fedlt.models import build
+
+    vit = build("timm:vit_tiny_patch16_224(depth=2, drop_rate=0.1)", in_chans=1, num_classes=3, image_size=32)
+    assert len(vit.blocks) == 2 and vit.head_drop.p == 0.1
+
+
+# -- issue 26: signals on the Flower engine (subprocesses: each starts its own Ray) -----------------
+FLOWER_RUN = ["--algo", "fedavg", "--model", "mlp", "--partition", "iid", "--train-limit", "400", "--test-limit",
+              "100", "--clients", "2", "--participation", "1", "--local-iters", "1", "--server-batch", "32",
+              "--eval-every", "1", "--quiet", "--engine", "flower"]
+
+
+class Signaller:
+    """A thread that, once ``out`` holds a checkpoint beyond round ``after``, sends ``signals`` to
+    ``pid`` (50 ms apart), and meanwhile records the processes ``pid`` started."""
+
+    def __init__(self, pid: int, out: Path, signals: list[int], after: int = 0) -> None:
+        import threading
+
+        from fedlt.flower.processes import descendants, supported
+
+        self.seen: dict[int, int] = {}
+        self.sent = False
+        before = set(descendants(pid)) if supported() else set()
+
+        def checkpointed() -> int:
+            try:
+                return json.loads((out / "checkpoint.json").read_text())["round"]
+            except (OSError, ValueError):
+                return 0
+
+        def work() -> None:
+            deadline = time.monotonic() + 600
+            while not self.sent and time.monotonic() < deadline:
+                if supported():
+                    self.seen.update(descendants(pid, before))
+                if checkpointed() > after:
+                    for sig in signals:
+                        os.kill(pid, sig)
+                        time.sleep(0.05)
+                    self.sent = True
+                time.sleep(0.1)
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+
+def gone(processes: dict[int, int], seconds: float = 30) -> dict[int, int]:
+    """Those of ``processes`` still alive after waiting up to ``seconds`` for them to exit."""
+    from fedlt.flower.processes import alive
+
+    deadline = time.monotonic() + seconds
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(processes)
+
+
+def test_signals_on_the_flower_engine_behave_as_on_the_local_engine_and_leave_no_ray_process(tmp_path, capfd):
+    """First, in a process of its own, a run SIGKILLed once it has a checkpoint: nothing of its
+    code runs, and its watchdog stops Ray's processes. Then in this process one run, signalled
+    each time its checkpoint has moved on: SIGINT (finish the round, checkpoint, exit 130), resumed
+    and SIGTERM (the same, exit 143), resumed and SIGINT twice (stop at once, exit 130). Each ends
+    with exactly one line on stderr — file descriptor 2, so Ray's own output would show: Flower's
+    and Ray's lines went to flower.log — the lock released and no process it started alive."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("ray")
+    from fedlt.flower.processes import kill, supported
+
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(Path(fedlt.engine.__file__).parents[1]),
+                                                 ENV.get("PYTHONPATH", "")]), "FLWR_TELEMETRY_ENABLED": "0"}
+    victim_out, out = tmp_path / "sigkill", tmp_path / "run"
+    victim = subprocess.Popen([sys.executable, "-m", "fedlt.cli", "run", *FLOWER_RUN, "--rounds", "1000", "--out",
+                               str(victim_out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    killer = Signaller(victim.pid, victim_out, [signal.SIGKILL])
+    started: dict[int, int] = {}
+    try:
+        # one Ray starting at a time: Ray gives a node 30 s to register, which two starting at once
+        # on a loaded machine can miss
+        killer.thread.join(timeout=600)
+        victim.communicate(timeout=120)
+        assert killer.sent and victim.returncode == -signal.SIGKILL
+        assert gone(killer.seen) == {}, "the SIGKILLed run's processes are still alive"
+        done = 0
+        for name, sigs in [("sigint", [signal.SIGINT]), ("sigterm", [signal.SIGTERM]),
+                           ("sigint twice", [signal.SIGINT, signal.SIGINT])]:
+            sender = Signaller(os.getpid(), out, sigs, after=done)
+            argv = ["run", *FLOWER_RUN, "--rounds", "1000", "--out", str(out)] if not done else \
+                ["run", "--resume", str(out), "--quiet"]
+            with pytest.raises(SystemExit) as info:
+                main(argv)
+            err = capfd.readouterr().err
+            assert sender.sent, name
+            started |= sender.seen
+            assert gone(sender.seen, 5) == {}, f"{name}: processes of the run are still alive"
+            lines = err.strip().splitlines()
+            previous, done = done, json.loads((out / "checkpoint.json").read_text())["round"]
+            assert len(lines) == 1 and "Traceback" not in err and not (out / rundir.LOCK_NAME).exists(), (name, err)
+            assert done > previous, (name, previous, done)
+            rows = len((out / "metrics.jsonl").read_text().splitlines())
+            # a second signal may land between a round's metrics line and its checkpoint; a resume
+            # rewrites the lines from the checkpoint
+            assert rows == done or (name == "sigint twice" and rows == done + 1), (name, rows, done)
+            assert "run_simulation" in (out / "flower.log").read_text(), name  # Flower's deprecation warning
+            if name == "sigint twice":
+                assert info.value.code == 130, (name, err)
+                assert lines[0] == (f"stopped at once; the last checkpoint (round {done}) is kept in {out}; "
+                                    f"continue with: fedlt run --resume {out}"), (name, err)
+            else:
+                signum = signal.SIGINT if name == "sigint" else signal.SIGTERM
+                assert info.value.code == 128 + signum, (name, err)
+                assert lines[0] == (f"stopped after round {done} (signal {signum}); checkpoint saved; continue "
+                                    f"with: fedlt run --resume {out}"), (name, err)
+        if supported():  # Ray's processes were there to be stopped
+            assert len(killer.seen) > 3 and len(started) > 3, (killer.seen, started)
+    finally:
+        if victim.poll() is None:  # a run the test could not stop: by its own pid
+            victim.kill()
+            victim.communicate()
+        kill(killer.seen | started, signal.SIGKILL)

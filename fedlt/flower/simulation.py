@@ -4,17 +4,38 @@ Ray workers (one CPU each).
 
 ``simulate`` runs several runs one after another in ONE simulation (Ray starts once: several
 seconds), e.g. a test's comparisons or a benchmark's settings.
+
+Signals behave as on the local engine (docs/runs.md): the run loop lives in the ServerApp
+thread, where Python cannot catch signals, so the main thread catches them here. The first
+SIGINT / SIGTERM asks the loop to stop after the current round (checkpointed); a second raises
+``StoppedAtOnce`` inside the loop at once (the last checkpoint stands); a third stops Ray's
+processes at once. Ray's processes are stopped by their pids on every exit path
+(``fedlt.flower.processes``). What Flower and Ray log goes to ``flower.log`` in the run directory,
+not to the terminal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fedlt.config import RunConfig
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.flower import require
+
+LOG_NAME = "flower.log"  # Flower's and Ray's log lines of the run, beside its other files
+LOGGERS = ("flwr", "ray")
 
 
 @dataclass
@@ -30,37 +51,194 @@ def run(config: RunConfig, *, resume: bool = False, on_round: Callable[[int, dic
     return simulate([Job(config, resume, on_round, on_start)])[0]["summary"]
 
 
+class StopSignals:
+    """SIGINT / SIGTERM in the main thread while the loop runs in ``loop_thread`` (module docstring)."""
+
+    def __init__(self, stop_processes: Callable[[], None]) -> None:
+        self.first: int | None = None
+        self.count = 0
+        self.loop_thread: threading.Thread | None = None
+        self.in_loop = False  # the loop thread is inside fedlt's run loop (not Flower's code around it)
+        self.stop_processes = stop_processes
+        self._previous: dict[int, Any] = {}
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = signum
+            return
+        from fedlt.engine import StoppedAtOnce
+
+        if self.count == 2 and self.in_loop:
+            class Second(StoppedAtOnce):  # raised by class, not instance: the signal travels in it
+                def __init__(self) -> None:
+                    super().__init__(signum)
+
+            # the loop's thread cannot receive the signal itself: raise in it at its next bytecode
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.loop_thread.ident), ctypes.py_object(Second))
+        elif self.count == 2 and self.loop_thread is None:  # Ray is starting: nothing of the run's to finish
+            raise StoppedAtOnce(signum)
+        elif self.count >= 3:  # the runtime does not come down: take its processes down by their pids
+            self.stop_processes()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.signal(s, self.handler)
+            self._previous.setdefault(s, previous)
+
+    def restore(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous.clear()
+
+
+class LogRecords(logging.Handler):
+    """Flower's and Ray's log records (and Python warnings) of a simulation, kept in memory while it
+    runs: the run directory may not exist yet, and nothing is written before a run's checks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # a record that cannot be formatted is dropped, never raised into the run
+            pass
+
+    @contextmanager
+    def captured(self) -> Iterator[None]:
+        saved = {}
+        for name in LOGGERS:
+            logger = logging.getLogger(name)
+            saved[name] = (logger.handlers[:], logger.propagate)
+            logger.handlers[:] = [self]
+            logger.propagate = False
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, *args, **kwargs):
+            self.lines.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')} warning {category.__name__}: {message} "
+                              f"({filename}:{lineno})")
+
+        warnings.showwarning = show
+        try:
+            yield
+        finally:
+            warnings.showwarning = shown
+            for name, (handlers, propagate) in saved.items():
+                logger = logging.getLogger(name)
+                logger.handlers[:] = handlers
+                logger.propagate = propagate
+
+    def write(self, out: Path) -> None:
+        """Append the lines to ``out/flower.log`` when ``out`` holds a run (else nothing is written)."""
+        if not self.lines or not (out / "config.json").is_file():
+            return
+        try:
+            with open(out / LOG_NAME, "a", encoding="utf-8") as f:
+                f.write("".join(f"{line}\n" for line in self.lines))
+        except OSError:  # the log is a courtesy; the run's results are written already
+            pass
+
+
+def start_ray(num_cpus: int | None) -> None:
+    """Ray started here, before Flower would (it then reuses it), so the signal handlers installed
+    after it are fedlt's: ``ray.init`` installs its own SIGTERM handler, which exits mid-round."""
+    import ray
+
+    # the workers import fedlt (and the ClientApp) from the paths this process imports them from
+    pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = pythonpath
+    # address="local": always a Ray of its own, never a cluster another program started (`ray start`),
+    # whose processes this run could neither own nor stop
+    args: dict[str, Any] = {"address": "local", "include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False,
+                            "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}}
+    if num_cpus is not None:
+        args["num_cpus"] = num_cpus
+    try:
+        ray.init(**args)
+    except Exception as exc:  # e.g. "The current node timed out during startup" on an overloaded machine
+        raise FedltError(f"--engine flower: Ray did not start: {first_line(exc)}"[:300]) from None
+
+
 def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any]]:
     """Run ``jobs`` in turn in one simulation with max(clients) SuperNodes; for each, its summary
-    and ``exchanges`` (message round trips it made)."""
+    and ``exchanges`` (message round trips it made). A job that stops (a signal, an error) ends
+    the simulation and its exception is raised here, in the caller's thread."""
     require()
-    import logging
-
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
     from fedlt.engine import run as run_engine
     from fedlt.flower.client_app import app as client_app
+    from fedlt.flower.processes import ProcessGuard
     from fedlt.flower.server_app import FlowerRounds
 
     outcomes: list[dict[str, Any]] = []
+    failure: list[BaseException] = []
     server_app = ServerApp()
+    records = LogRecords()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        for job in jobs:
-            rounds = FlowerRounds(grid, job.config)
-            summary = run_engine(job.config, resume=job.resume, on_round=job.on_round, on_start=job.on_start,
-                                 runner=rounds)
-            outcomes.append({"summary": summary, "exchanges": rounds.exchanges})
+    with ProcessGuard() as guard:
+        signals = StopSignals(stop_processes=lambda: guard.stop_all(grace=0))
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # the run's own progress is fedlt's
-    init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR}
-    if num_cpus is not None:
-        init_args["num_cpus"] = num_cpus
-    run_simulation(server_app, client_app, num_supernodes=max(job.config.clients for job in jobs),
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init_args})
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            signals.loop_thread = threading.current_thread()
+            signals.in_loop = True
+            try:
+                for job in jobs:
+                    rounds = FlowerRounds(grid, job.config)
+                    summary = run_engine(job.config, resume=job.resume, on_round=job.on_round,
+                                         on_start=job.on_start, runner=rounds,
+                                         stop_requested=lambda: signals.first)
+                    outcomes.append({"summary": summary, "exchanges": rounds.exchanges})
+            except BaseException as exc:  # re-raised in the caller's thread, not printed by Flower's
+                failure.append(exc)
+            finally:
+                signals.in_loop = False
+
+        try:
+            with records.captured(), warnings.catch_warnings():
+                warnings.simplefilter("default")
+                signals.install()  # before Ray starts: a signal during start-up asks to stop, like later ones
+                try:
+                    start_ray(num_cpus)
+                    signals.install()  # over the SIGTERM handler ray.init installed
+                    run_simulation(server_app, client_app, num_supernodes=max(job.config.clients for job in jobs),
+                                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                                   "init_args": {"logging_level": logging.ERROR,
+                                                                 "log_to_driver": False}})
+                finally:
+                    try:
+                        _shutdown_ray()
+                    finally:
+                        signals.restore()
+        finally:
+            guard.stop_all()
+            for job in jobs:
+                records.write(Path(job.config.out))
+    if failure:
+        raise failure[0]
+    if signals.first is not None and len(outcomes) < len(jobs):
+        from fedlt.engine import StoppedAtOnce
+
+        raise StoppedAtOnce(signals.first)  # stopped before the loop could finish a round
     if len(outcomes) < len(jobs):
-        raise FedltError("the Flower simulation ended before its runs finished (see Flower's log above)")
+        raise FedltError(f"the Flower simulation ended before its runs finished (see {LOG_NAME} in the run "
+                         "directory)")
     return outcomes
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # its processes are stopped by pid next, whatever state it is in
+        pass

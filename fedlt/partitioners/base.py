@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from fedlt.errors import FedltError, first_line
+from fedlt.spec import numbers_are_numbers
 
 FORMAT = "fedlt-partition-1"
 _FILE_KEYS = {"manifest", "indices", "offsets"}
@@ -234,6 +235,9 @@ class Partition:
             detail = first_line(exc)[:120] if isinstance(exc, zipfile.BadZipFile) else type(exc).__name__
             raise bad(f"truncated or damaged archive: {detail}") from None
 
+        for key in sorted(_FILE_KEYS):  # numpy hands back a member that is not .npy data as raw bytes
+            if not isinstance(arrays[key], np.ndarray):
+                raise bad(f"member {key!r} is not a .npy array")
         raw, indices, offsets = arrays["manifest"], arrays["indices"], arrays["offsets"]
         if raw.dtype != np.uint8 or raw.ndim != 1:
             raise bad("manifest is not UTF-8 bytes")
@@ -247,6 +251,11 @@ class Partition:
             raise bad("indices and offsets must be 1-D int64")
         if offsets.size < 2 or offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
             raise bad("offsets do not delimit the indices")
+        sizes = np.diff(offsets)
+        if np.any(sizes == 0):  # what every partitioner guarantees; an empty client cannot train
+            empty = np.flatnonzero(sizes == 0)
+            raise bad(f"{empty.size} of {sizes.size} clients hold no sample (first: client {int(empty[0])}); "
+                      "every client of a partition needs at least one")
         client_indices = np.split(indices, offsets[1:-1])
         _check_manifest_fields(manifest, bad)
         declared, num_clients = manifest["sha256"], manifest["num_clients"]
@@ -261,7 +270,7 @@ class Partition:
             raise bad("sha256 of the indices does not match the manifest: the file was edited or corrupted")
         if num_clients != len(client_indices) or counts.ndim != 2 or counts.shape[0] != num_clients:
             raise bad("manifest's client count does not match the indices")
-        if not np.array_equal(counts.sum(axis=1), np.diff(offsets)):
+        if not np.array_equal(counts.sum(axis=1), sizes):
             raise bad("manifest's class_counts do not add up to the clients' sizes")
         if indices.size and (indices.min() < 0 or indices.max() >= size):
             raise bad(f"indices outside the dataset's {size} samples")
@@ -305,6 +314,11 @@ class Partitioner(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "partitioner"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
 
     def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
         """The owner of each sample: an int64 array like ``y``, in ``[0, num_clients)`` or ``-1``."""
