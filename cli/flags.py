@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from fedlt.errors import FedltError
-from fedlt.spec import parse_spec
+from fedlt.spec import overlay, parse_spec
 
 # The convenience flags are shorthands for a partitioner's parameters; a lone one names its scheme.
 SCHEME_OF_FLAG = {"beta": "dirichlet", "min_size": "dirichlet", "alpha": "quantity",
@@ -31,19 +31,6 @@ PartitionFlag = Optional[str]
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
-
-
-def overlay(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` over ``base``: the same component keeps ``base``'s parameters (nested specs alike),
-    another component replaces them (they belong to a different one)."""
-    if spec.get("name") != base.get("name"):
-        return dict(spec)
-    out = dict(base)
-    for key, value in spec.items():
-        old = out.get(key)
-        nested = isinstance(value, dict) and isinstance(old, dict)
-        out[key] = overlay(old, value) if nested else value
-    return out
 
 
 def _implied_scheme(given: dict[str, Any]) -> str | None:

@@ -215,3 +215,16 @@ def numbers_are_numbers(model: type, data: Any) -> Any:
         if isinstance(value, bool) and number:
             raise ValueError(f"{key}: expected a number, got a boolean ({value})")
     return data
+
+
+def overlay(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` over ``base``: the same component keeps ``base``'s parameters (nested specs alike),
+    another component replaces them (they belong to a different one)."""
+    if spec.get("name") != base.get("name"):
+        return dict(spec)
+    out = dict(base)
+    for key, value in spec.items():
+        old = out.get(key)
+        nested = isinstance(value, dict) and isinstance(old, dict)
+        out[key] = overlay(old, value) if nested else value
+    return out

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from fedlt import io, rundir
 from fedlt.config import RunConfig, merge, read_config_file
 from fedlt.errors import FedltError, describe
-from fedlt.spec import format_spec, parse_spec
+from fedlt.spec import format_spec, overlay, parse_spec
 
 MANIFEST = "study.json"
 FORMAT = "fedlt-study-1"
@@ -127,9 +127,7 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 
 def _overlay(base: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` over ``base`` as the CLI's ``--partition`` does (fedlt.cli.flags.overlay)."""
-    from fedlt.cli.flags import overlay
-
+    """``spec`` over ``base`` as the CLI's ``--partition`` does (fedlt.spec.overlay)."""
     return overlay(base, spec) if isinstance(base, dict) else dict(spec)
 
 
