@@ -34,7 +34,7 @@ KIND_INTRO = {
                  "priority (see [Models and splitting](../models.md)).",
     "aggregators": "Server-side aggregation of the clients' models (`--aggregator`).",
     "datasets": "In-memory datasets (`--dataset`); MNIST ships inside the package, the torchvision sets "
-                "are read from `--data-root`.",
+                "are read from `--data-root`, and `arrays` reads your own NumPy files (see [Datasets](../datasets.md)).",
 }
 
 

@@ -73,7 +73,7 @@ def test_every_dataset_passes_its_contract(name, tmp_path, monkeypatch):
     """MNIST ships in the package; the torchvision sets read synthetic files in their own formats
     (nothing is downloaded), so fedlt's adapters run on every registered dataset."""
     params = {}
-    if name in fake_dataset_files.SETS:
+    if name in fake_dataset_files.NAMES:
         fake_dataset_files.write(name, tmp_path, monkeypatch)
         params = {"root": tmp_path}
     check_dataset(name, params)
