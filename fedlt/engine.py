@@ -99,8 +99,7 @@ def make_partition(config: RunConfig, data: InMemoryDataset):
     else:
         spec = dict(config.partition)
         partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
-        partition = partitioner(labels, config.clients, config.seeds.data, num_classes=data.num_classes,
-                                dataset_name=data.name)
+        partition = fedlt.partitioners.partition_data(partitioner, data, config.clients, config.seeds.data)
     if len(partition.client_indices) != config.clients:
         raise FedltError(f"the partition has {len(partition.client_indices)} clients but clients={config.clients}")
     return partition
