@@ -22,7 +22,7 @@ from fedlt.errors import FedltError, first_line
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
 OPTIONAL = ("groups_train", "class_names")
 IMAGE_DTYPES = (np.uint8, np.float16, np.float32, np.float64)
-CHUNK = 4096  # samples converted at a time: bounds the float64 temporaries of a large memory-mapped array
+CHUNK = 1024  # samples converted at a time: bounds the float64 temporaries (~25 MiB at 32×32×3)
 LAYOUT_HELP = "(N, H, W), (N, C, H, W) or (N, H, W, C) with C in 1, 3, 4"
 WHAT = (f"an .npz holding {', '.join(REQUIRED)} (optional {', '.join(OPTIONAL)}), or a folder of those "
         ".npy files")
