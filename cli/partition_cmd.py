@@ -140,7 +140,7 @@ def partition_command(
     except ValueError as exc:
         raise FedltError(f"partition: {exc}") from None
     data = fedlt.datasets.create(dataset, root=data_root, download=download)
-    part = partitioner(data.y_train, clients, seed, num_classes=data.num_classes, dataset_name=data.name)
+    part = fedlt.partitioners.partition_data(partitioner, data, clients, seed)  # with the dataset's groups, if any
     describe = partitioner.describe() if hasattr(partitioner, "describe") else part.manifest["name"]
 
     _print(class_count_table(part.class_counts, max_rows))

@@ -155,6 +155,8 @@ def run(
     sampling_seed: Optional[int] = typer.Option(None),
     train_limit: Optional[str] = typer.Option(None, help="use only the first N training samples (none: all)"),
     test_limit: Optional[str] = typer.Option(None, help="use only the first N test samples (none: all)"),
+    augment: Optional[str] = typer.Option(None, help="training-time augmentation, e.g. 'random_crop(padding=4) + hflip' "
+                                          "(none: off; fedlt list augmentations; docs/augmentation.md)"),
     eval_every: Optional[int] = typer.Option(None),
     groups: Optional[str] = typer.Option(None, help="many/medium/few rule: count (>100 / 20-100 / <20) or share (75% / 95%)"),
     posthoc: Optional[list[str]] = typer.Option(None, "--posthoc", help="post-hoc calibration evaluated beside the model (tau_norm); repeatable"),
@@ -209,6 +211,8 @@ def run(
         overrides["groups"] = {"rule": groups}
     if availability is not None:
         overrides["availability"] = availability
+    if augment is not None:
+        overrides["augment"] = augment
     faults = {k: v for k, v in dict(round_timeout=round_timeout, on_failure=on_failure).items() if v is not None}
     if min_results is not None:  # an integer is a count, a decimal a share of the sampled clients
         faults["min_results"] = number(min_results, "--min-results")

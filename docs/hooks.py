@@ -18,7 +18,8 @@ from mkdocs.structure.files import File  # noqa: E402
 
 # Titles and introductions of the kinds known today; a kind without one still gets a page.
 KIND_TITLES = {"algorithms": "Algorithms", "partitioners": "Partitioners", "losses": "Loss terms",
-               "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets"}
+               "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets",
+               "augmentations": "Augmentations"}
 KIND_INTRO = {
     "algorithms": "Registered compositions of the library's parts (`--algo`). Parameters go in "
                   "`algorithm_params` (or `--loss`, `--client-loss`, `--server-loss`, `--aggregator`); the "
@@ -33,8 +34,10 @@ KIND_INTRO = {
     "splitters": "Strategies that cut a model into a client part and a server part, tried by ascending "
                  "priority (see [Models and splitting](../models.md)).",
     "aggregators": "Server-side aggregation of the clients' models (`--aggregator`).",
+    "augmentations": "Training-time transforms (`--augment`, e.g. `random_crop(padding=4) + hflip`), batched on "
+                     "tensors, drawing from each client's own random stream (see [Augmentation](../augmentation.md)).",
     "datasets": "In-memory datasets (`--dataset`); MNIST ships inside the package, the torchvision sets "
-                "are read from `--data-root`.",
+                "are read from `--data-root`, and `arrays` reads your own NumPy files (see [Datasets](../datasets.md)).",
 }
 
 

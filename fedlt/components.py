@@ -22,6 +22,7 @@ def registries() -> dict[str, Registry]:
     """Every kind's registry, by the plural name the CLI and the docs use."""
     import fedlt.aggregators
     import fedlt.algorithms
+    import fedlt.augment
     import fedlt.availability
     import fedlt.datasets
     import fedlt.losses
@@ -36,7 +37,8 @@ def registries() -> dict[str, Registry]:
             "partitioners": fedlt.partitioners.REGISTRY, "models": fedlt.models.REGISTRY,
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
-            "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY}
+            "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
+            "augmentations": fedlt.augment.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:

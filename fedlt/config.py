@@ -139,6 +139,8 @@ class RunConfig(Strict):
     data_root: Path | None = None
     download: bool = False
     train_limit: PositiveInt | None = Field(None, description="use only the first N training samples")
+    augment: list[dict[str, Any]] = Field(default_factory=list, description="training-time augmentation, e.g. "
+                                          "'random_crop(padding=4) + hflip' (docs/augmentation.md)")
     test_limit: PositiveInt | None = Field(None, description="use only the first N test samples")
     # partition
     partition: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_PARTITION))
@@ -235,6 +237,27 @@ class RunConfig(Strict):
         import fedlt.partitioners
 
         return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment_spec(cls, spec: Any) -> Any:
+        from fedlt.augment import parse_augment
+
+        if isinstance(spec, str):  # "random_crop(padding=4) + hflip", as on the CLI
+            try:
+                return parse_augment(spec, "augment")
+            except FedltError as exc:
+                raise ValueError(str(exc)) from None
+        return spec
+
+    @field_validator("augment")
+    @classmethod
+    def _valid_augment(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        import fedlt.augment
+
+        for spec in specs:
+            _check_component(fedlt.augment.REGISTRY, spec, "augment")
+        return specs
 
     @field_validator("availability", mode="before")
     @classmethod

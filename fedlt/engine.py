@@ -22,6 +22,7 @@ across rounds (SGB's gating) are part of the client states in the checkpoint.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import signal
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 import fedlt.algorithms
+import fedlt.augment
 import fedlt.availability
 import fedlt.datasets
 import fedlt.models
@@ -107,8 +109,7 @@ def make_partition(config: RunConfig, data: InMemoryDataset):
     else:
         spec = dict(config.partition)
         partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
-        partition = partitioner(labels, config.clients, config.seeds.data, num_classes=data.num_classes,
-                                dataset_name=data.name)
+        partition = fedlt.partitioners.partition_data(partitioner, data, config.clients, config.seeds.data)
     if len(partition.client_indices) != config.clients:
         raise FedltError(f"the partition has {len(partition.client_indices)} clients but clients={config.clients}")
     return partition
@@ -196,6 +197,13 @@ def prepare(config: RunConfig, partition: Any = None) -> Prepared:
     import torch._dynamo  # noqa: F401
 
     data = load_data(config)
+    # augmentation: normalize()'s statistics come from the training set, the model is built for the
+    # pipeline's output, and the test set gets its evaluation form (resize, crops, normalize) once
+    augment = fedlt.augment.fit(config.augment, data.x_train)
+    pipeline = fedlt.augment.build(augment)
+    input_shape = pipeline.output_shape(tuple(data.x_train.shape[1:]))
+    if pipeline.changes_eval:
+        data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
     if partition is None:
         partition = make_partition(config, data)
     counts = torch.as_tensor(np.asarray(partition.class_counts), dtype=torch.int64)
@@ -203,14 +211,14 @@ def prepare(config: RunConfig, partition: Any = None) -> Prepared:
         raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
     device = torch.device(config.device)
 
-    model_spec = ModelSpec(config.model, data.in_chans, data.num_classes, data.image_size)
+    model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
     ctx = RunContext(
-        num_classes=data.num_classes, input_shape=tuple(data.x_train.shape[1:]), build_model=model_spec.build,
+        num_classes=data.num_classes, input_shape=input_shape, build_model=model_spec.build,
         split=config.split, server_batch=config.server_batch, local_iters=config.local_iters,
         local_epochs=config.local_epochs, batch_size=config.batch_size, lr=config.optimiser.lr,
         momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
-        fused=config.fused, num_clients=config.clients, rounds=config.rounds,
+        fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
     )
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)

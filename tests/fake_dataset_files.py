@@ -15,6 +15,7 @@ import numpy as np
 from fedlt.datasets.torchvision_sets import SETS
 
 N_TRAIN, N_TEST = 600, 200
+NAMES = {*SETS, "arrays"}  # the registered datasets that read files: written here
 
 
 def _pixels(rng: np.random.Generator, n: int, channels: int, size: int, dataset: str) -> np.ndarray:
@@ -81,5 +82,10 @@ def write(dataset: str, root: Path, monkeypatch) -> None:
         scipy_io = types.SimpleNamespace(loadmat=lambda path: mats[Path(path).name])
         monkeypatch.setitem(sys.modules, "scipy", types.SimpleNamespace(io=scipy_io))
         monkeypatch.setitem(sys.modules, "scipy.io", scipy_io)
+    elif dataset == "arrays":  # a folder of .npy files (the memory-mapped form), HWC uint8 with writer ids
+        for split, n in (("train", N_TRAIN), ("test", N_TEST)):
+            np.save(root / f"x_{split}.npy", rng.integers(0, 256, (n, 12, 12, 3), dtype=np.uint8))
+            np.save(root / f"y_{split}.npy", np.array(_labels(rng, n, 10)))
+        np.save(root / "groups_train.npy", rng.integers(0, 30, N_TRAIN))
     else:
         raise ValueError(f"no synthetic files for {dataset}")

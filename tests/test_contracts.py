@@ -35,8 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 NOT_SOFTMAX = {"logit_suppression", "sgb", "fedgrab", "fedvls", "eqlv2", "fedrs"}
 LOSS_TERMS = [n for n in fedlt.losses.list() if getattr(fedlt.losses.get(n), "loss_term", True)]
 PARTITIONER_EXAMPLES = {"dirichlet": {"beta": 0.5, "min_size": 2}, "quantity": {"alpha": 2},
-                        "shards": {"shards_per_client": 2}, "longtail": {"imbalance_factor": 4.0}}
+                        "shards": {"shards_per_client": 2}, "longtail": {"imbalance_factor": 4.0},
+                        "natural": {"merge": "random"}}  # merge=size is seed-independent by design
 DROPS_SAMPLES = {"longtail"}
+USES_GROUPS = {"natural"}
 SPLITTER_EXAMPLES = {"own": ("alexnet", 1, 28), "timm_sequential": ("timm:resnet10t", 3, 32),
                      "timm_vit": ("timm:vit_tiny_patch16_224", 3, 32), "fx": ("mlp", 1, 28)}
 
@@ -48,7 +50,11 @@ def test_every_loss_term_passes_its_contract(name):
 
 @pytest.mark.parametrize("name", fedlt.partitioners.list())
 def test_every_partitioner_passes_its_contract(name):
-    check_partitioner(name, PARTITIONER_EXAMPLES.get(name), covers_all=name not in DROPS_SAMPLES)
+    data = {}
+    if name in USES_GROUPS:  # 400 samples of 10 classes by 23 writers
+        data = {"labels": np.random.default_rng(0).permutation(np.repeat(np.arange(10), 40)),
+                "groups": np.arange(400) % 23}
+    check_partitioner(name, PARTITIONER_EXAMPLES.get(name), covers_all=name not in DROPS_SAMPLES, **data)
 
 
 @pytest.mark.parametrize("name", fedlt.models.list())
@@ -73,7 +79,7 @@ def test_every_dataset_passes_its_contract(name, tmp_path, monkeypatch):
     """MNIST ships in the package; the torchvision sets read synthetic files in their own formats
     (nothing is downloaded), so fedlt's adapters run on every registered dataset."""
     params = {}
-    if name in fake_dataset_files.SETS:
+    if name in fake_dataset_files.NAMES:
         fake_dataset_files.write(name, tmp_path, monkeypatch)
         params = {"root": tmp_path}
     check_dataset(name, params)

@@ -91,6 +91,7 @@ class LocalSchedule:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     clip: float | None = 10.0
+    augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
 
     def batches(self, n: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
         if self.epochs is not None:
@@ -150,6 +151,7 @@ class RunContext:
     fused: str = "off"  # the loss objects' fused setting (issue 14)
     num_clients: int | None = None  # K, all clients (SCAFFOLD's and FedDyn's 1/K); None: the round's participants
     rounds: int = 1  # the run's total number of rounds
+    augment: tuple[dict[str, Any], ...] = ()  # augmentation specs, normalize() statistics filled in (fedlt.augment.fit)
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:
@@ -168,7 +170,7 @@ class RunContext:
         """Client k's schedule: B_k samples per step, or ``batch_size`` when training by epochs."""
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
-                             weight_decay=self.weight_decay, clip=self.clip)
+                             weight_decay=self.weight_decay, clip=self.clip, augment=self.augment)
 
 
 class Algorithm(Protocol):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.func import functional_call
 
+import fedlt.augment
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
                                    build_aggregator, build_objective, client_generator, proportional_batches)
@@ -59,11 +60,12 @@ class ClientUpdate:
         params = [p for p in model.parameters() if p.requires_grad]
         optimiser = task.schedule.optimiser(params)
         generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
         for idx in task.schedule.batches(len(task.data), generator):
-            x, y = task.data.x[idx], task.data.y[idx]
+            x, y = augment(task.data.x[idx]), task.data.y[idx]
             extra: dict[str, Any] = {}
             if objective.needs_teacher:
                 extra["teacher_logits"] = teacher_logits(model, task.weights, x)

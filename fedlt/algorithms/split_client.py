@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+import fedlt.augment
 import fedlt.losses
 from fedlt.algorithms.base import (LocalSchedule, RunContext, build_objective, client_generator,
                                    raise_first_non_finite)
@@ -142,15 +143,18 @@ class ActivationClient:
         self.teacher = bool(task.payload.get("send_teacher")) or self.objective.needs_teacher
         _, self.weight_terms = split_terms(self.objective)
         self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
+        self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.pending: torch.Tensor | None = None
         self.pending_idx: torch.Tensor | None = None
+        self.pending_x: torch.Tensor | None = None  # an augmented batch cannot be recomputed from its indices
         self.drawn = 0
 
     def forward(self) -> Upload:
         idx = next(self.batches)
         self.drawn += 1
-        x, y = self.task.data.x[idx], self.task.data.y[idx]
+        x, y = self.augment(self.task.data.x[idx]), self.task.data.y[idx]
         self.pending, self.pending_idx = self.replica(x), idx
+        self.pending_x = x if self.augment else None
         teacher = None
         if self.teacher:
             with torch.no_grad(), eval_mode(self.module):  # the received global client part, as evaluated
@@ -162,14 +166,15 @@ class ActivationClient:
         if self.weight_terms is not None:
             extra = self.weight_terms(None, None, params=self.replica.parameters())
         self.replica.step(self.pending, activation_grad, extra)
-        self.pending = self.pending_idx = None
+        self.pending = self.pending_idx = self.pending_x = None
 
     def state_dict(self) -> dict[str, Any]:
         """The session between two calls, for an engine that cannot keep it alive (Flower keeps it
         in the node's context between messages): the replica and its optimiser, how many batches
         were drawn, and the pending forward's batch (a graph does not serialise: it is recomputed)."""
         return {"replica": self.replica.state(), "optimiser": self.replica.optimiser.state_dict(),
-                "drawn": self.drawn, "pending_idx": self.pending_idx, "loss": self.objective.state_dict()}
+                "drawn": self.drawn, "pending_idx": self.pending_idx, "pending_x": self.pending_x,
+                "loss": self.objective.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a suspended session: the same weights, momentum and batch stream; a pending
@@ -181,7 +186,8 @@ class ActivationClient:
             self.objective.load_state_dict(state["loss"])
         if self.pending_idx is not None:
             moved = {n: b.clone() for n, b in self.replica.buffers.items()}
-            self.pending = self.replica(self.task.data.x[self.pending_idx])
+            self.pending_x = state.get("pending_x")
+            self.pending = self.replica(self.task.data.x[self.pending_idx] if self.pending_x is None else self.pending_x)
             with torch.no_grad():
                 for n, b in self.replica.buffers.items():
                     b.copy_(moved[n])
@@ -204,13 +210,14 @@ class LocalLossClient:
         self.replica = Replica(module, task.weights, task.schedule)
         self.objective = client_objective(task, {n: task.weights[n] for n in self.replica.params})
         self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
+        self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.losses: list[torch.Tensor] = []
         self.drawn = 0
 
     def forward(self) -> Upload:
         idx = next(self.batches)
         self.drawn += 1
-        x, y = self.task.data.x[idx], self.task.data.y[idx]
+        x, y = self.augment(self.task.data.x[idx]), self.task.data.y[idx]
         activations, aux_logits = self.replica(x)
         extra: dict[str, Any] = {}
         if self.objective.needs_params:

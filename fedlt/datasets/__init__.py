@@ -14,4 +14,4 @@ REGISTRY: Registry = Registry("dataset", product=_dataset_check)
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
 
 from fedlt.datasets.base import InMemoryDataset  # noqa: E402
-from fedlt.datasets import mnist, torchvision_sets  # noqa: E402,F401  (register the built-ins)
+from fedlt.datasets import arrays, mnist, torchvision_sets  # noqa: E402,F401  (register the built-ins)

@@ -12,6 +12,9 @@ class InMemoryDataset:
     """Train and test splits held as tensors, so a round never touches a DataLoader or disk.
 
     ``x_*`` are float32 (N, C, H, W), already normalised; ``y_*`` are int64 (N,).
+    ``groups_train`` (optional, int64 (N,), ids 0..G-1) names each training sample's natural
+    group (writer, user, site), which the ``natural`` partitioner gives to one client;
+    ``class_names`` (optional) names the classes 0..C-1.
     """
 
     name: str
@@ -20,6 +23,8 @@ class InMemoryDataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    groups_train: torch.Tensor | None = None
+    class_names: tuple[str, ...] | None = None
 
     @property
     def in_chans(self) -> int:
@@ -34,6 +39,7 @@ class InMemoryDataset:
         return InMemoryDataset(
             self.name if train is None and test is None else f"{self.name}[:{train},:{test}]",
             self.x_train[:train], self.y_train[:train], self.x_test[:test], self.y_test[:test], self.num_classes,
+            None if self.groups_train is None else self.groups_train[:train], self.class_names,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -10,7 +11,7 @@ import torch
 
 from fedlt.datasets import register
 from fedlt.datasets.base import InMemoryDataset, normalise
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 
 
 class _Spec(NamedTuple):
@@ -51,6 +52,10 @@ def _open(name: str, factory, root: str | Path | None, download: bool, **kwargs)
             f"dataset {name} not found under {Path(root).resolve()}: put {SETS[name].files} there, "
             f"or pass --download to fetch it ({exc})"
         ) from None
+    except (ValueError, EOFError, KeyError, IndexError, TypeError, pickle.UnpicklingError) as exc:
+        raise FedltError(f"dataset {name} under {Path(root).resolve()}: a file is damaged or not in the format "
+                         f"torchvision reads ({type(exc).__name__}: {first_line(exc)[:120]}); expected {SETS[name].files}"
+                         ) from None
 
 
 def _images(data) -> torch.Tensor:

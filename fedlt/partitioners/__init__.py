@@ -7,9 +7,9 @@ REGISTRY: Registry = Registry(
     "partitioner(labels, num_clients, seed)")
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
 
-from fedlt.partitioners.base import Partition, Partitioner  # noqa: E402
+from fedlt.partitioners.base import Partition, Partitioner, partition_data  # noqa: E402
 from fedlt.partitioners import schemes  # noqa: E402,F401  registers the built-ins
-from fedlt.partitioners.schemes import IID, Dirichlet, LongTail, Quantity, Shards  # noqa: E402
+from fedlt.partitioners.schemes import IID, Dirichlet, LongTail, Natural, Quantity, Shards  # noqa: E402
 
-__all__ = ["REGISTRY", "Partition", "Partitioner", "IID", "Dirichlet", "Quantity", "Shards", "LongTail",
-           "create", "get", "list", "register"]
+__all__ = ["REGISTRY", "Partition", "Partitioner", "IID", "Dirichlet", "Quantity", "Shards", "LongTail", "Natural",
+           "create", "get", "list", "partition_data", "register"]

@@ -9,6 +9,7 @@ only writes ``assign``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -50,6 +51,29 @@ def as_labels(labels: Any, num_classes: int | None = None) -> tuple[np.ndarray, 
     if hi >= num_classes:
         raise FedltError(f"label {hi} is out of range for num_classes={num_classes}")
     return y, int(num_classes)
+
+
+def as_groups(groups: Any, size: int) -> np.ndarray:
+    """Per-sample group ids (writer, user, site: integers or strings) as int64 codes 0..G-1."""
+    if hasattr(groups, "detach"):
+        groups = groups.detach().cpu().numpy()
+    g = np.asarray(groups)
+    if g.shape != (size,):
+        raise FedltError(f"groups must hold one id per training sample ({size}), got shape {tuple(g.shape)}")
+    if g.dtype == bool or g.dtype.kind not in "iuUS":
+        raise FedltError(f"groups must be integer or string ids, got dtype {g.dtype}")
+    return np.unique(g, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
+def partition_data(partitioner: Any, data: Any, num_clients: int, seed: int) -> "Partition":
+    """Partition ``data``'s training labels; its group ids (``groups_train``) go to a partitioner
+    that takes a ``groups`` argument (every ``Partitioner`` model), so a plugin's plain function
+    partitioner(labels, num_clients, seed, ...) keeps working."""
+    kwargs: dict[str, Any] = {"num_classes": data.num_classes, "dataset_name": data.name}
+    groups = getattr(data, "groups_train", None)
+    if groups is not None and "groups" in inspect.signature(partitioner).parameters:
+        kwargs["groups"] = groups
+    return partitioner(data.y_train, num_clients, seed, **kwargs)
 
 
 def label_histogram(y: np.ndarray, num_classes: int) -> np.ndarray:
@@ -324,6 +348,13 @@ class Partitioner(BaseModel):
         """The owner of each sample: an int64 array like ``y``, in ``[0, num_clients)`` or ``-1``."""
         raise NotImplementedError(f"{type(self).__name__} must implement assign()")
 
+    def assign_with_groups(self, y: np.ndarray, groups: np.ndarray | None, num_clients: int, num_classes: int,
+                           rng: np.random.Generator) -> np.ndarray:
+        """``assign`` given each sample's natural group id too (int64 like ``y``; None when the
+        dataset has none). Only schemes that use the groups (``natural``) or pass them on
+        (``longtail``) override it; the others ignore them."""
+        return self.assign(y, num_clients, num_classes, rng)
+
     def describe(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params().items())
         return f"{self.name}({params})"
@@ -332,14 +363,16 @@ class Partitioner(BaseModel):
         return self.model_dump(mode="json")
 
     def __call__(self, labels: Any, num_clients: int, seed: int, *, num_classes: int | None = None,
-                 dataset_name: str = "unknown") -> Partition:
+                 dataset_name: str = "unknown", groups: Any = None) -> Partition:
         y, num_classes = as_labels(labels, num_classes)
+        groups = None if groups is None else as_groups(groups, y.size)
         if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
             raise FedltError(f"num_clients must be a positive integer, got {num_clients!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise FedltError(f"seed must be a non-negative integer, got {seed!r}")
         num_clients = int(num_clients)
-        owner = np.asarray(self.assign(y, num_clients, num_classes, np.random.default_rng(int(seed))), dtype=np.int64)
+        rng = np.random.default_rng(int(seed))
+        owner = np.asarray(self.assign_with_groups(y, groups, num_clients, num_classes, rng), dtype=np.int64)
         if owner.shape != y.shape or owner.min() < -1 or owner.max() >= num_clients:
             raise FedltError(f"{self.describe()}.assign returned an invalid owner array")  # a plugin's bug
         client_indices = group_by_owner(owner, num_clients)

@@ -1,5 +1,5 @@
 """The built-in label-skew schemes of SPEC §1: ``iid``, ``dirichlet``, ``quantity``, ``shards``,
-``longtail``.
+``longtail``; and ``natural``, which follows the dataset's own groups (writers, users, sites).
 
 Each returns the owner of every training sample (``Partitioner.assign``), vectorised: the only
 Python loops run over classes or redraws, never over samples. Only training labels are ever seen;
@@ -8,8 +8,9 @@ the test set is not partitioned or subsampled and stays balanced, as in the pape
 
 from __future__ import annotations
 
+import heapq
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, field_serializer, field_validator
@@ -223,6 +224,10 @@ class LongTail(Partitioner):
         return f"longtail(imbalance_factor={self.imbalance_factor}) → {self.then.describe()}"
 
     def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+        return self.assign_with_groups(y, None, num_clients, num_classes, rng)
+
+    def assign_with_groups(self, y: np.ndarray, groups: np.ndarray | None, num_clients: int, num_classes: int,
+                           rng: np.random.Generator) -> np.ndarray:
         class_sizes = np.bincount(y, minlength=num_classes)
         keep = long_tail_counts(class_sizes, self.imbalance_factor)
         emptied = np.flatnonzero((keep == 0) & (class_sizes > 0))
@@ -235,8 +240,53 @@ class LongTail(Partitioner):
         kept = np.sort(order[rank < np.repeat(keep, class_sizes)])
         owner = np.full(y.size, -1, dtype=np.int64)
         try:
-            owner[kept] = self.then.assign(y[kept], num_clients, num_classes, rng)
+            owner[kept] = self.then.assign_with_groups(y[kept], None if groups is None else groups[kept],
+                                                       num_clients, num_classes, rng)
         except FedltError as exc:
             raise FedltError(f"longtail(imbalance_factor={self.imbalance_factor}) kept {kept.size} samples, "
                              f"then {exc}") from None
         return owner
+
+
+@register("natural")
+class Natural(Partitioner):
+    """The dataset's natural clients: each group (writer, user, site; the dataset's
+    ``groups_train``) goes whole to one client.
+
+    With K clients and G ≥ K groups among the samples given: ``merge="size"`` takes the groups
+    largest first (ties: lower group id) and gives each to the client holding the fewest samples
+    so far (ties: lower client id), so K = G gives client k the k-th largest group and K < G
+    balances the sizes; it does not depend on the seed. ``merge="random"`` shuffles the groups
+    with the seed and gives each client ⌊G/K⌋ or ⌈G/K⌉ of them. K > G is an error. After
+    ``longtail`` only the groups of the kept samples count.
+    """
+
+    name = "natural"
+    merge: Literal["size", "random"] = Field(
+        "size", description="how groups are merged into clients: size (balanced sizes, largest groups first; "
+                            "seed-independent) or random (shuffled by the seed, equal group counts)")
+
+    def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+        raise FedltError("natural needs each training sample's group id (writer, user, site), and this dataset has "
+                         "none: give the arrays dataset a groups_train array (docs: Datasets)")
+
+    def assign_with_groups(self, y: np.ndarray, groups: np.ndarray | None, num_clients: int, num_classes: int,
+                           rng: np.random.Generator) -> np.ndarray:
+        if groups is None:
+            return self.assign(y, num_clients, num_classes, rng)
+        present, codes = np.unique(groups, return_inverse=True)  # groups longtail emptied do not count
+        codes = codes.reshape(-1)
+        sizes = np.bincount(codes, minlength=present.size)
+        if num_clients > present.size:
+            raise FedltError(f"natural: the data has {present.size} groups, fewer than the {num_clients} clients; "
+                             f"use at most {present.size} clients")
+        client_of_group = np.empty(present.size, dtype=np.int64)
+        if self.merge == "random":
+            client_of_group[rng.permutation(present.size)] = np.arange(present.size) * num_clients // present.size
+        else:
+            held = [(0, k) for k in range(num_clients)]  # a heap of (samples held, client)
+            for g in np.argsort(-sizes, kind="stable"):  # a loop over groups, never samples
+                total, k = heapq.heappop(held)
+                client_of_group[g] = k
+                heapq.heappush(held, (total + int(sizes[g]), k))
+        return client_of_group[codes]

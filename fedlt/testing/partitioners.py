@@ -21,12 +21,13 @@ def _labels(per_class: int = 60, num_classes: int = 10) -> np.ndarray:
     return np.random.default_rng(0).permutation(np.repeat(np.arange(num_classes), sizes))
 
 
-def _partition(partitioner, y: np.ndarray, num_clients: int, seed: int):
-    return partitioner(y, num_clients, seed, num_classes=int(y.max()) + 1, dataset_name="contract")
+def _partition(partitioner, y: np.ndarray, num_clients: int, seed: int, groups: np.ndarray | None = None):
+    extra = {} if groups is None else {"groups": groups}
+    return partitioner(y, num_clients, seed, num_classes=int(y.max()) + 1, dataset_name="contract", **extra)
 
 
 def check_partitioner(partitioner: Any, params: dict[str, Any] | None = None, *, covers_all: bool = True,
-                      num_clients: int = 5, labels: Any = None) -> None:
+                      num_clients: int = 5, labels: Any = None, groups: Any = None) -> None:
     """Check a partitioner, given by registered name or as its class/factory, created with ``params``.
 
     Properties: [returns a Partition]; [disjoint] (no sample held by two clients); [covers]
@@ -34,20 +35,22 @@ def check_partitioner(partitioner: Any, params: dict[str, Any] | None = None, *,
     sample is held when ``covers_all``; pass False for a scheme that drops samples by design, like
     ``longtail``); [manifest] (class counts, sizes, sha256 and client count match the indices);
     [deterministic per seed]; [different across seeds]; [clear error when impossible] (more
-    clients than samples raises FedltError within 30 s).
+    clients than samples raises FedltError within 30 s). ``groups`` (one id per label) are passed
+    to a partitioner that follows the data's natural groups (``natural``).
     """
     import fedlt.partitioners
     from fedlt.partitioners import Partition
     from fedlt.partitioners.base import class_counts_of, indices_sha256
 
     y = _labels() if labels is None else np.asarray(labels)
+    groups = None if groups is None else np.asarray(groups)
     num_classes = int(y.max()) + 1
     with registered(fedlt.partitioners.REGISTRY, partitioner, "contract_partitioner") as name:
         c = Contract(f"partitioner {name!r}")
         with c.property("construction"):
             instance = fedlt.partitioners.create(name, **(params or {}))
         with c.property("returns a Partition"):
-            part = _partition(instance, y, num_clients, seed=0)
+            part = _partition(instance, y, num_clients, seed=0, groups=groups)
         c.check(isinstance(part, Partition), "returns a Partition", f"returned {type(part).__name__}")
         c.check(part.num_clients == num_clients, "manifest", f"{part.num_clients} clients, asked for {num_clients}")
         held = np.concatenate([np.asarray(i, dtype=np.int64) for i in part.client_indices])
@@ -65,9 +68,9 @@ def check_partitioner(partitioner: Any, params: dict[str, Any] | None = None, *,
                 "class_counts differ from the counts of the clients' indices")
         c.check(part.manifest["sha256"] == indices_sha256(part.client_indices), "manifest",
                 "sha256 is not the hash of the indices")
-        again = _partition(fedlt.partitioners.create(name, **(params or {})), y, num_clients, seed=0)
+        again = _partition(fedlt.partitioners.create(name, **(params or {})), y, num_clients, seed=0, groups=groups)
         c.check(again.sha256 == part.sha256, "deterministic per seed", "seed 0 gave two different partitions")
-        others = [_partition(instance, y, num_clients, seed=s).sha256 for s in (1, 2, 3)]
+        others = [_partition(instance, y, num_clients, seed=s, groups=groups).sha256 for s in (1, 2, 3)]
         c.check(any(h != part.sha256 for h in others), "different across seeds",
                 "seeds 0, 1, 2 and 3 all give the same partition")
 
@@ -76,7 +79,8 @@ def check_partitioner(partitioner: Any, params: dict[str, Any] | None = None, *,
 
         def attempt() -> None:
             try:
-                _partition(instance, y[:num_classes * 2], 10 * y.size, seed=0)
+                _partition(instance, y[:num_classes * 2], 10 * y.size, seed=0,
+                           groups=None if groups is None else groups[:num_classes * 2])
                 result["error"] = None
             except BaseException as exc:  # reported below
                 result["error"] = exc

@@ -13,7 +13,7 @@ fedlt="${FEDLT:-fedlt}"
 mnist="${MNIST_IDX:-$here/../../../shared/data/mnist}"
 mkdir -p "$work/rawdata/MNIST/raw" "$work/authors"
 for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte; do
-  gunzip -c "$mnist/$f.gz" > "$work/data/MNIST/raw/$f"
+  gunzip -c "$mnist/$f.gz" > "$work/rawdata/MNIST/raw/$f"  # where the header says, and mkdir made
 done
 rm -rf "$work/authors/system"
 git -C "$authors_git" archive HEAD system | tar -x -C "$work/authors"
