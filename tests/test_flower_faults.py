@@ -114,6 +114,14 @@ class Deployment:
         """Signal the node's whole process tree (SuperNode, its SuperExec, a ClientApp under way):
         the machine dies (SIGKILL) or freezes (SIGSTOP)."""
         signal_tree(self.nodes[partition].pid, sig)
+        if sig == signal.SIGKILL:
+            self.nodes[partition].wait(timeout=30)
+
+    def kill_link(self) -> None:
+        """SIGKILL the SuperLink machine: SuperLink, its SuperExec, the ServerApps; its port is
+        free once the SuperLink is reaped."""
+        signal_tree(self.link.pid, signal.SIGKILL)
+        self.link.wait(timeout=30)
 
     def tasks_received(self, partition: int) -> int:
         """Task messages the node has taken in (its log), whatever its process since a restart."""
@@ -213,7 +221,7 @@ def test_a_killed_node_a_stalled_node_and_a_killed_server_leave_the_run_as_if_th
         signal_tree(server_apps[0], signal.SIGKILL)
         killed_nodes = [0]
     else:  # the SuperLink machine: SuperLink, its SuperExec, the ServerApp; then every node restarts
-        signal_tree(d.link.pid, signal.SIGKILL)
+        d.kill_link()
         d.start_link()
         killed_nodes = list(range(NODES))
     signal_tree(first_run.pid, signal.SIGKILL)  # its log stream would wait for the dead run
