@@ -122,11 +122,11 @@ class FlowerRounds:
                 continue
             content["run"] = self.run
             messages.append(Message(content, nodes[cid], message_type, group_id=str(self.round_index)))
-        by_node = {r.metadata.src_node_id: r for r in self._deliver(messages, f"round {self.round_index + 1}")}
+        replies = iter(self._deliver(messages, f"round {self.round_index + 1}"))
         for cid, _ in contents:
             if cid in out:
                 continue
-            reply = by_node.get(nodes[cid])
+            reply = next(replies)
             if reply is None:
                 out[cid] = ClientFailure(cid, f"late (no reply within {self.reply_wait:g} s)")
             elif reply.has_error():
@@ -137,18 +137,30 @@ class FlowerRounds:
         self.exchange_s.append(time.perf_counter() - started)
         return [out[cid] for cid, _ in contents]
 
-    def _deliver(self, messages: list[Message], what: str) -> list[Message]:
-        """Send and wait (at most ``reply_wait``); unless failures are tolerated, an error reply
-        or a missing one is an error naming the node."""
-        replies = list(self.grid.send_and_receive(messages, timeout=self.reply_wait)) if messages else []
+    def _deliver(self, messages: list[Message], what: str) -> list[Message | None]:
+        """Send, and wait for the replies at most ``reply_wait``: each message's reply (a node's
+        answer, or the SuperLink's error for a node it declared unavailable: an error from
+        the SuperLink, not from the node), None for no reply in time. Unless failures are
+        tolerated, an error reply or a missing one is an error naming the node."""
+        if not messages:
+            return []
+        ids = list(self.grid.push_messages(messages))
+        replies: dict[str, Message] = {}
+        deadline, pause = time.monotonic() + self.reply_wait, 0.05
+        while len(replies) < len(ids) and time.monotonic() < deadline:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, 1.0)  # prompt in simulation, light on a SuperLink
+            for reply in self.grid.pull_messages([i for i in ids if i not in replies]):
+                replies[reply.metadata.reply_to_message_id] = reply
+        ordered = [replies.get(i) for i in ids]
         if not self.tolerate:
-            for reply in replies:
+            for message, reply in zip(messages, ordered):
+                if reply is None:
+                    raise FedltError(f"{what}: node {message.metadata.dst_node_id} did not reply within "
+                                     f"{self.reply_wait:.0f}s")
                 if reply.has_error():
-                    raise FedltError(f"{what}: node {reply.metadata.src_node_id} failed: {reply.error.reason}")
-            if len(replies) < len(messages):
-                raise FedltError(f"{what}: {len(messages) - len(replies)} of {len(messages)} node(s) did not reply "
-                                 f"within {self.reply_wait:.0f}s")
-        return replies
+                    raise FedltError(f"{what}: node {message.metadata.dst_node_id} failed: {reply.error.reason}")
+        return ordered
 
 
 def error_line(reason: str) -> str:
