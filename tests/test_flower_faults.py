@@ -252,3 +252,71 @@ def test_a_killed_node_a_stalled_node_and_a_killed_server_leave_the_run_as_if_th
     ends = [io.load_checkpoint(folder / "checkpoint.pt") for folder in (out, tmp_path / "reference")]
     for part in ("algorithm", "client_states"):
         assert not differences(ends[0][part], ends[1][part], atol=1e-6), part
+
+
+class Links:
+    """A fake Grid: ``answers`` maps a node to its partition, None for a node that is listed
+    but never answers (dead, not yet declared offline), "offline" for one the SuperLink
+    declares unavailable (its error reply comes from the SuperLink, node 0)."""
+
+    def __init__(self, answers: dict[int, int | str | None]) -> None:
+        self.answers, self.asked, self.sent = answers, [], {}
+
+    def get_node_ids(self):
+        return list(self.answers)
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            ids.append(f"m{len(self.sent)}")
+            self.sent[ids[-1]] = message
+            if message.metadata.message_type == "query.partition":
+                self.asked.append(message.metadata.dst_node_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        from types import SimpleNamespace
+
+        from flwr.app import ConfigRecord, RecordDict
+
+        replies = []
+        for i in message_ids:
+            node = self.sent[i].metadata.dst_node_id
+            answer = self.answers[node]
+            error = SimpleNamespace(reason="Error: Node Unavailable — The destination node failed to report a heartbeat")
+            content = RecordDict({"node": ConfigRecord({"partition_id": answer if isinstance(answer, int) else -1})})
+            if answer is not None:
+                replies.append(SimpleNamespace(
+                    metadata=SimpleNamespace(reply_to_message_id=i, src_node_id=0 if answer == "offline" else node),
+                    content=content, error=error, has_error=lambda answer=answer: answer == "offline"))
+        return replies
+
+
+def test_a_listed_dead_node_costs_no_wait_and_a_new_node_is_asked_once(tmp_path, monkeypatch):
+    """What the loopback run needs from FlowerRounds, without processes: the first ask ends once
+    every partition has a node (a dead node still listed is not waited for); a node the
+    SuperLink declares unavailable is its client's failure with Flower's reason, not a late reply
+    (its error comes from the SuperLink, not from the node); at the next round's start only the
+    new node is asked, and it takes the partition over."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedlt.algorithms.protocol import ClientFailure
+    from fedlt.flower.server_app import FlowerRounds
+
+    for field in ("_task_id", "_run_id", "_node_id"):  # what a ServerApp process has, to create messages
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    grid = Links({10: 0, 11: None, 12: 1})
+    config = RunConfig(clients=2, faults={"on_failure": "drop", "round_timeout": 30}, out=tmp_path)
+    rounds = FlowerRounds(grid, config, node_wait=60)
+    started = time.monotonic()
+    assert rounds.nodes() == {0: 10, 1: 12}
+    assert time.monotonic() - started < 5 and sorted(grid.asked) == [10, 11, 12]
+    grid.answers[12] = "offline"
+    replies = rounds.send("train", [(0, RecordDict({"x": ConfigRecord({})})), (1, RecordDict({"x": ConfigRecord({})}))])
+    assert not isinstance(replies[0], ClientFailure)
+    assert isinstance(replies[1], ClientFailure) and replies[1].reason.startswith("failed: Error: Node Unavailable")
+    assert time.monotonic() - started < 10  # the SuperLink's error ended the wait, not round_timeout
+    grid.answers[13] = 1  # node 1 restarted under a new id
+    assert rounds.nodes() == {0: 10, 1: 13} and sorted(grid.asked) == [10, 11, 12, 13]
