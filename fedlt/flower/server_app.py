@@ -44,7 +44,9 @@ class FlowerRounds:
         self.device = torch.device(config.device)
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
-        self._nodes: dict[int, int] | None = None  # cid -> node id
+        self._nodes: dict[int, int] = {}  # cid -> node id
+        self._asked: set[int] = set()  # nodes asked which partition they hold
+        self._queries: dict[str, int] = {}  # query message id -> node, not answered yet
         self.round_index = 0
         self.exchanges = 0  # round trips made (one message per participant each)
         self.exchange_s: list[float] = []  # wall time of each, send to last reply (benchmarks read it)
@@ -52,6 +54,7 @@ class FlowerRounds:
     # -- the runner ------------------------------------------------------------------------------
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
         self.round_index = tasks[0].round_index if tasks else self.round_index
+        self.nodes()
         contents = []
         for t in tasks:
             content = codec.task_content(t)
@@ -61,36 +64,56 @@ class FlowerRounds:
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "FlowerSessions":
         self.round_index = tasks[0].round_index if tasks else self.round_index
+        self.nodes()
         return FlowerSessions(self, list(tasks))
 
     # -- messages --------------------------------------------------------------------------------
     def nodes(self) -> dict[int, int]:
-        """Which node holds which partition: asked once, after waiting (bounded) for the nodes;
-        asked again without waiting after a node was lost (a restarted SuperNode has a new id)."""
-        if self._nodes is None:
-            first = not hasattr(self, "_asked")
-            self._asked = True
-            deadline = time.monotonic() + (self.node_wait if first else 0.0)
-            ids = list(self.grid.get_node_ids())
-            while len(ids) < self.config.clients and time.monotonic() < deadline:
-                time.sleep(0.5)
-                ids = list(self.grid.get_node_ids())
-            asked = [Message(RecordDict(), node, "query.partition") for node in ids]
-            replies = [r for r in self._deliver(asked, "asking the SuperNodes for their partitions", first)
-                       if not r.has_error()]
-            self._nodes = {int(r.content["node"]["partition_id"]): r.metadata.src_node_id for r in replies}
-            missing = sorted(set(range(self.config.clients)) - set(self._nodes))
-            if missing and (first or not self.tolerate):
-                raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {self.config.clients} after "
-                                 f"{self.node_wait:.0f}s ({len(ids)} node(s) connected); start one per client with "
-                                 "--node-config 'partition-id=K'")
+        """Which node holds which partition, brought up to date at each round's start: every node
+        not asked before is asked (a restarted SuperNode has a new id). The first time, the answers
+        are awaited until every partition has a node (at most ``node_wait``); later, only the new
+        nodes' answers (at most ``reply_wait``; a later answer is taken at a later round). A node that
+        stops answering keeps its partition until another node claims it, so a stalled node that
+        resumes serves again, and a dead one that is still listed costs no wait here."""
+        first = not self._asked
+        deadline = time.monotonic() + (self.node_wait if first else self.reply_wait)
+        waiting: set[str] = set()  # this call's queries
+        refused: dict[int, str] = {}  # node -> its error, the first time
+        while True:
+            new = [node for node in self.grid.get_node_ids() if node not in self._asked]
+            if new:
+                self._asked.update(new)
+                ids = list(self.grid.push_messages([Message(RecordDict(), node, "query.partition") for node in new]))
+                self._queries.update(zip(ids, new))
+                waiting.update(ids)
+            for reply in (self.grid.pull_messages(list(self._queries)) if self._queries else []):
+                asked = reply.metadata.reply_to_message_id
+                node = self._queries.pop(asked, None)
+                waiting.discard(asked)
+                if not reply.has_error():
+                    self._nodes[int(reply.content["node"]["partition_id"])] = reply.metadata.src_node_id
+                elif first:
+                    refused[node] = error_line(str(reply.error.reason))
+                    if not self.tolerate:  # under drop, another node may yet claim its partition
+                        raise FedltError(f"asking the SuperNodes for their partitions: node {node} failed: "
+                                         f"{refused[node]}")
+            complete = len(self._nodes.keys() & set(range(self.config.clients))) == self.config.clients
+            if (complete if first else not waiting) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        missing = sorted(set(range(self.config.clients)) - set(self._nodes))
+        if missing and first:
+            raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {self.config.clients} after "
+                             f"{self.node_wait:.0f}s ({len(self._asked)} node(s) connected); start one per client with "
+                             "--node-config 'partition-id=K'"
+                             + "".join(f"; node {node} answered: {reason}" for node, reason in refused.items()))
         return self._nodes
 
     def send(self, message_type: str, contents: list[tuple[int, RecordDict]]) -> list[RecordDict | ClientFailure]:
         """One message per participant, the replies' contents in the same order; a participant
         whose node is gone, failed or did not reply in time is a ClientFailure when failures are
-        tolerated (the node map is then asked again before the next exchange), else an error."""
-        nodes = self.nodes()
+        tolerated, else an error."""
+        nodes = self._nodes
         started = time.perf_counter()
         messages, out = [], {}
         for cid, content in contents:
@@ -99,35 +122,45 @@ class FlowerRounds:
                 continue
             content["run"] = self.run
             messages.append(Message(content, nodes[cid], message_type, group_id=str(self.round_index)))
-        by_node = {r.metadata.src_node_id: r for r in self._deliver(messages, f"round {self.round_index + 1}")}
+        replies = iter(self._deliver(messages, f"round {self.round_index + 1}"))
         for cid, _ in contents:
             if cid in out:
                 continue
-            reply = by_node.get(nodes[cid])
+            reply = next(replies)
             if reply is None:
                 out[cid] = ClientFailure(cid, f"late (no reply within {self.reply_wait:g} s)")
             elif reply.has_error():
                 out[cid] = ClientFailure(cid, f"failed: {error_line(str(reply.error.reason))}")
             else:
                 out[cid] = reply.content
-        if any(isinstance(v, ClientFailure) for v in out.values()):
-            self._nodes = None  # a node may have died or restarted under a new id
         self.exchanges += 1
         self.exchange_s.append(time.perf_counter() - started)
         return [out[cid] for cid, _ in contents]
 
-    def _deliver(self, messages: list[Message], what: str, strict: bool | None = None) -> list[Message]:
-        """Send and wait (at most ``reply_wait``); unless failures are tolerated, an error reply
-        or a missing one is an error naming the node."""
-        replies = list(self.grid.send_and_receive(messages, timeout=self.reply_wait)) if messages else []
-        if (not self.tolerate) if strict is None else strict:
-            for reply in replies:
+    def _deliver(self, messages: list[Message], what: str) -> list[Message | None]:
+        """Send, and wait for the replies at most ``reply_wait``: each message's reply (a node's
+        answer, or the SuperLink's error for a node it declared unavailable: an error from
+        the SuperLink, not from the node), None for no reply in time. Unless failures are
+        tolerated, an error reply or a missing one is an error naming the node."""
+        if not messages:
+            return []
+        ids = list(self.grid.push_messages(messages))
+        replies: dict[str, Message] = {}
+        deadline, pause = time.monotonic() + self.reply_wait, 0.05
+        while len(replies) < len(ids) and time.monotonic() < deadline:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, 1.0)  # prompt in simulation, light on a SuperLink
+            for reply in self.grid.pull_messages([i for i in ids if i not in replies]):
+                replies[reply.metadata.reply_to_message_id] = reply
+        ordered = [replies.get(i) for i in ids]
+        if not self.tolerate:
+            for message, reply in zip(messages, ordered):
+                if reply is None:
+                    raise FedltError(f"{what}: node {message.metadata.dst_node_id} did not reply within "
+                                     f"{self.reply_wait:.0f}s")
                 if reply.has_error():
-                    raise FedltError(f"{what}: node {reply.metadata.src_node_id} failed: {reply.error.reason}")
-            if len(replies) < len(messages):
-                raise FedltError(f"{what}: {len(messages) - len(replies)} of {len(messages)} node(s) did not reply "
-                                 f"within {self.reply_wait:.0f}s")
-        return replies
+                    raise FedltError(f"{what}: node {message.metadata.dst_node_id} failed: {reply.error.reason}")
+        return ordered
 
 
 def error_line(reason: str) -> str:
