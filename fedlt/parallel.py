@@ -321,20 +321,22 @@ class WorkerPool:
         for i in range(self.size):
             self._send(i, ("bind", *binding))
         deadline = time.monotonic() + self.startup_wait
-        replies = []
+        replies, lost = [], []
         for i in range(self.size):
             try:
                 replies.append(self._receive(i, deadline, "building the run's parts"))
-            except WorkerLost as exc:
-                raise FedltError(f"worker {i} was lost while building the run's parts: {exc}") from None
-        for reply in replies:
-            try:
+            except WorkerLost:
+                lost.append(i)
+        try:
+            for reply in replies:
                 self._value(reply)
-            except FedltError as exc:
-                raise FedltError(f"a worker process could not build the run: {first_line(exc)} (a component "
-                                 "registered in this process only is not found there: register it with an "
-                                 "entry point)") from None
-        self.binding = binding
+            self.binding = binding
+            for i in lost:  # died since the last run (or now): a new one, built with the run's parts
+                self.replace(i)
+        except FedltError as exc:
+            raise FedltError(f"a worker process could not build the run: {first_line(exc)} (a component "
+                             "registered in this process only is not found there: register it with an "
+                             "entry point)") from None
 
     def close(self) -> None:
         for i in range(self.size):
@@ -466,12 +468,14 @@ class ParallelRunner:
         self.own = not isinstance(workers, WorkerPool)
         self.pool = WorkerPool(workers) if self.own else workers
         self.device = torch.device("cpu")
+        self.bound = False
         self.exchanges = 0
 
     def bind(self, prep: Any) -> None:
         """The run's parts, given once by the engine after ``prepare``."""
         self.device = torch.device(prep.config.device)
         self.pool.bind(prep.config, prep.partition, prep.data)
+        self.bound = True
 
     def close(self) -> None:
         if self.own:
@@ -484,7 +488,7 @@ class ParallelRunner:
         self.close()
 
     def _check_bound(self) -> None:
-        if self.pool.binding is None:
+        if not self.bound:
             raise FedltError("a ParallelRunner must be bound to a run (bind(prepared)) before it runs clients")
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
