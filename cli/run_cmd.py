@@ -165,6 +165,8 @@ def run(
     checkpoint_every: Optional[int] = typer.Option(None),
     device: Optional[str] = typer.Option(None),
     fused: Optional[str] = typer.Option(None, "--fused", help="fused loss path: auto, on, off (docs/fused.md)"),
+    workers: Optional[str] = typer.Option(None, help="worker processes training the clients: N or auto (the cores); "
+                                          "results are identical to 1 (docs/parallel.md)"),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads for this process (default: torch's); "
                                           "1 when several runs share the cores (docs/runs.md)"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="any setting as KEY=VALUE, e.g. groups.many_above=50 "
@@ -200,7 +202,7 @@ def run(
     scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused, client_eval=client_eval,
-                   download=download, engine=engine, out=resume or out)
+                   download=download, engine=engine, workers=workers, out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)

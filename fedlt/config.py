@@ -177,6 +177,19 @@ class RunConfig(Strict):
                                                                 "on_failure")
     engine: str = Field("local", description="a registered engine: local (this process), flower (Flower's "
                         "simulation runtime, a SuperNode per client: docs/flower.md), or a plugin's")
+    workers: int | Literal["auto"] = Field(1, description="processes training the clients (local engine): "
+                                                    "1 (this process), N, or auto (the cores); docs/parallel.md")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _worker_count(cls, value: Any) -> Any:
+        text = str(value).strip()
+        if text == "auto":
+            return text
+        if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+            raise ValueError(f"must be a number of processes (1 or more) or 'auto', got {value!r}")
+        return int(text)
+
     eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
     groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")
     client_eval: bool = Field(False, description="also report each client's expected accuracy (docs/runs.md)")

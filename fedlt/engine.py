@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import io, rundir
 from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext, from_spec
-from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
+from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner, copy_tensors
 from fedlt.algorithms.split import classifier_of
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
@@ -61,7 +62,7 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # what does not change a single number (device placement aside, which users may move on purpose).
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
 RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "fused", "eval_batch",
-                     "engine", "faults.min_results", "faults.on_failure"}
+                     "engine", "workers", "faults.min_results", "faults.on_failure"}
 # (how many clients a round needs and what a failure does decide whether the run goes on, not
 # what a completed round computed: a run stopped below min_results may resume with a lower one)
 
@@ -191,18 +192,19 @@ class Prepared:
     ctx: RunContext
 
 
-def prepare(config: RunConfig, partition: Any = None) -> Prepared:
+def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | None = None) -> Prepared:
     # torch imports torch._dynamo lazily inside the first optimiser's constructor (~1.8 s on a
     # CPU): a process start-up cost, paid here rather than inside the first round's train_s
     import torch._dynamo  # noqa: F401
 
-    data = load_data(config)
+    fresh = data is None
+    data = load_data(config) if data is None else data  # a worker process gets the run's, in shared memory
     # augmentation: normalize()'s statistics come from the training set, the model is built for the
     # pipeline's output, and the test set gets its evaluation form (resize, crops, normalize) once
     augment = fedlt.augment.fit(config.augment, data.x_train)
     pipeline = fedlt.augment.build(augment)
     input_shape = pipeline.output_shape(tuple(data.x_train.shape[1:]))
-    if pipeline.changes_eval:
+    if pipeline.changes_eval and fresh:
         data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
     if partition is None:
         partition = make_partition(config, data)
@@ -352,9 +354,17 @@ def run(config: RunConfig, *, resume: bool = False,
 def local_engine(config: RunConfig, *, resume: bool = False,
                  on_round: Callable[[int, dict[str, Any]], None] | None = None,
                  on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """In this process: every participant in turn, each on its own copies of what it receives."""
-    tolerate = config.faults.on_failure == "drop"
-    return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner(tolerate))
+    """In this process: every participant in turn, each on its own copies of what it receives; with
+    ``workers`` > 1, in that many worker processes (fedlt.parallel, docs/parallel.md). Under
+    ``faults.on_failure="drop"`` a client whose work fails becomes a ClientFailure (docs/faults.md)."""
+    from fedlt.parallel import ParallelRunner, resolve_workers
+
+    workers = resolve_workers(config.workers)
+    if workers == 1:
+        tolerate = config.faults.on_failure == "drop"
+        return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner(tolerate))
+    with ParallelRunner(workers) as runner:
+        return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner)
 
 
 @ENGINES.register("flower")
@@ -410,11 +420,13 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
     io.write_lines(out / "metrics.jsonl", state.metrics)  # on resume: drop lines written after the checkpoint
     (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is rewritten at its end
 
-    def save_checkpoint() -> None:
+    def save_checkpoint(snapshot: dict[str, Any] | None = None) -> None:
+        """The run at ``state.round``; ``snapshot``: the algorithm and client states as they were
+        at that round's end, when later training has moved them on (an overlapped evaluation)."""
+        snapshot = snapshot or {"algorithm": algorithm.state_dict(), "client_states": state.client_states.state_dict()}
         io.save_checkpoint(checkpoint_path, {
             "format": CHECKPOINT_FORMAT, "config_digest": config_digest(config),
-            "partition_sha256": prep.partition.sha256, "round": state.round,
-            "algorithm": algorithm.state_dict(), "client_states": state.client_states.state_dict(),
+            "partition_sha256": prep.partition.sha256, "round": state.round, **snapshot,
             "metrics": state.metrics, "wall_time": float(state.wall_time),
         })
         state.checkpoint_round = state.round
@@ -430,84 +442,151 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
     policy = PolicyRunner(runner, availability, config.faults, config.seeds.sampling)
     faults_possible = config.faults.on_failure == "drop" or availability.acts or config.faults.round_timeout is not None
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    bind = getattr(runner, "bind", None)
+    if bind is not None:  # a runner with processes of its own (fedlt.parallel) gets the run's parts once
+        bind(prep)
     if on_start is not None:
         on_start(state.round)
     client_counts = prep.counts.numpy() if config.client_eval else None
-    with stop_on_signal(state):
-        while state.round < config.rounds:
-            started = time.perf_counter()
-            round_index = state.round
-            if availability.acts and availability.when == "before":
-                reachable = [c for c in range(config.clients)
-                             if availability.available(config.seeds.sampling, round_index, c)]
-                chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index,
-                                        available=reachable)
-            else:
-                reachable = None
-                chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
-            policy.begin(round_index, chosen, reachable)
-            # a round that ends below min_results is not applied: keep the last complete round's
-            # state when it is not on disk already (checkpoint_every > 1)
-            before = (copy.deepcopy((algorithm.state_dict(), state.client_states.state_dict()))
-                      if faults_possible and state.checkpoint_round != state.round else None)
-            clients = []
-            for cid in chosen:
-                idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
-                clients.append(ClientData(cid, x_train[idx], y_train[idx], prep.counts[cid].to(device)))
-            try:
-                row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
-                                       **train_round(algorithm, prep.ctx, round_index, clients, state.client_states,
-                                                     policy)}
-                row.update(policy.log.row())
-                _check_model_finite(algorithm.global_model(), "aggregation")
-            except RoundIncomplete as exc:
-                if before is not None:  # the last complete round, as it was, onto disk
-                    algorithm.load_state_dict(before[0])
-                    state.client_states.load_state_dict(before[1])
-                    save_checkpoint()
-                raise RoundIncomplete(f"{exc}; the round is not applied, {kept()}; resume with: fedlt run --resume "
-                                      f"{out} (e.g. with a lower --min-results)") from None
-            except NonFiniteLoss as exc:
-                raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None
-            except ValueError as exc:
-                if "Expected more than 1 value per channel" not in str(exc):
+
+    def evaluation(model: torch.nn.Module, number: int) -> tuple[dict[str, Any], float]:
+        """The evaluation fields of round ``number``'s global model (and of its post-hoc
+        calibrations), and the seconds they took."""
+        began = time.perf_counter()
+        scores = evaluate(model, data.x_test, data.y_test.cpu(), data.num_classes, prep.groups, config.eval_batch,
+                          device, client_counts)
+        if not np.isfinite(scores["loss"]):  # finite weights whose logits overflow float32
+            raise NonFiniteLoss(f"round {number}: the global model's test loss is {scores['loss']} "
+                                "(its logits overflow)")
+        for spec in config.posthoc:  # calibrated copies of the global model, reported beside it
+            params = dict(spec) if isinstance(spec, dict) else {"name": spec}
+            name = params.pop("name")
+            calibrated = fedlt.posthoc.get(name)(model, **params)
+            more = evaluate(calibrated, data.x_test, data.y_test.cpu(), data.num_classes, prep.groups,
+                            config.eval_batch, device)
+            scores.update({f"{name}_{k}": more[k] for k in POSTHOC_KEYS if k in more})
+        return scores, time.perf_counter() - began
+
+    def close(row: dict[str, Any], train_s: float, eval_s: float, round_s: float,
+              snapshot: dict[str, Any] | None = None) -> None:
+        """A round's row written (and checkpointed when due), in round order."""
+        row.update(train_s=round(train_s, 4), eval_s=round(eval_s, 4), round_s=round(round_s, 4))
+        state.wall_time += round_s
+        state.round += 1
+        state.metrics.append(row)
+        io.append_line(out / "metrics.jsonl", row)
+        if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
+            save_checkpoint(snapshot)
+        if on_round is not None:
+            on_round(state.round, row)
+
+    # With a runner whose clients work elsewhere (fedlt.parallel), round r's global model is
+    # evaluated on a copy in a thread while round r+1 trains; its row is closed once that round
+    # has trained. round_s is then the round's own time plus the wait for its evaluation, so the
+    # rows still add up to the wall time; eval_s stays the evaluation's own time.
+    overlap = bool(getattr(runner, "overlaps_evaluation", False))
+    evaluator = ThreadPoolExecutor(1, thread_name_prefix="fedlt-eval") if overlap else None
+    pending: dict[str, Any] | None = None  # the round being evaluated
+
+    def settle() -> None:
+        """Close the round being evaluated, if any (its evaluation finished first)."""
+        nonlocal pending
+        if pending is None:
+            return
+        waited = time.perf_counter()
+        try:
+            scores, eval_s = pending["evaluation"].result()
+        except NonFiniteLoss as exc:
+            raise NonFiniteLoss(f"{exc}; {kept()}") from None
+        held, pending = pending, None
+        held["row"].update(scores)
+        close(held["row"], held["train_s"], eval_s, held["own_s"] + time.perf_counter() - waited, held["snapshot"])
+
+    trained = state.round  # rounds trained; one ahead of state.round while a round is being evaluated
+    try:
+        with stop_on_signal(state):
+            while trained < config.rounds:
+                started = time.perf_counter()
+                round_index = trained
+                if availability.acts and availability.when == "before":
+                    reachable = [c for c in range(config.clients)
+                                 if availability.available(config.seeds.sampling, round_index, c)]
+                    chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index,
+                                            available=reachable)
+                else:
+                    reachable = None
+                    chosen = sample_clients(config.clients, config.participation, config.seeds.sampling, round_index)
+                policy.begin(round_index, chosen, reachable)
+                # a round that ends below min_results is not applied: keep the last complete round's
+                # state when it may not be on disk already (checkpoint_every > 1)
+                before = (copy.deepcopy((algorithm.state_dict(), state.client_states.state_dict()))
+                          if faults_possible and state.checkpoint_round != trained else None)
+                clients = []
+                for cid in chosen:
+                    idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
+                    clients.append(ClientData(cid, x_train[idx], y_train[idx], prep.counts[cid].to(device)))
+                try:
+                    row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
+                                           **train_round(algorithm, prep.ctx, round_index, clients,
+                                                         state.client_states, policy)}
+                    row.update(policy.log.row())
+                    _check_model_finite(algorithm.global_model(), "aggregation")
+                except RoundIncomplete as exc:
+                    settle()
+                    if before is not None:  # the last complete round, as it was, onto disk
+                        algorithm.load_state_dict(before[0])
+                        state.client_states.load_state_dict(before[1])
+                        save_checkpoint()
+                    raise RoundIncomplete(f"{exc}; the round is not applied, {kept()}; resume with: fedlt run "
+                                          f"--resume {out} (e.g. with a lower --min-results)") from None
+                except NonFiniteLoss as exc:
+                    settle()
+                    raise NonFiniteLoss(f"round {round_index + 1} (clients {chosen}): {exc}; {kept()}") from None
+                except ValueError as exc:
+                    settle()
+                    if "Expected more than 1 value per channel" not in str(exc):
+                        raise
+                    raise FedltError(
+                        f"round {round_index + 1} (clients {chosen}): a BatchNorm layer got one value per channel "
+                        f"in training (a batch of 1 sample at a 1×1 feature map); give clients larger batches "
+                        f"(server_batch, or batch_size with local_epochs) or cut the model before that layer; "
+                        f"{kept()}"
+                    ) from None
+                except Exception:
+                    settle()
                     raise
-                raise FedltError(
-                    f"round {round_index + 1} (clients {chosen}): a BatchNorm layer got one value per channel "
-                    f"in training (a batch of 1 sample at a 1×1 feature map); give clients larger batches "
-                    f"(server_batch, or batch_size with local_epochs) or cut the model before that layer; {kept()}"
-                ) from None
-            trained = time.perf_counter()
-            if (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds:
-                row.update(evaluate(algorithm.global_model(), data.x_test, data.y_test.cpu(), data.num_classes,
-                                    prep.groups, config.eval_batch, device, client_counts))
-                if not np.isfinite(row["loss"]):  # finite weights whose logits overflow float32
-                    raise NonFiniteLoss(f"round {round_index + 1}: the global model's test loss is {row['loss']} "
-                                        f"(its logits overflow); {kept()}")
-                for spec in config.posthoc:  # calibrated copies of the global model, reported beside it
-                    params = dict(spec) if isinstance(spec, dict) else {"name": spec}
-                    name = params.pop("name")
-                    calibrated = fedlt.posthoc.get(name)(algorithm.global_model(), **params)
-                    scores = evaluate(calibrated, data.x_test, data.y_test.cpu(), data.num_classes, prep.groups,
-                                      config.eval_batch, device)
-                    row.update({f"{name}_{k}": scores[k] for k in POSTHOC_KEYS if k in scores})
-            finished = time.perf_counter()
-            row.update(train_s=round(trained - started, 4), eval_s=round(finished - trained, 4),
-                       round_s=round(finished - started, 4))
-            state.wall_time += finished - started
-            state.round += 1
-            state.metrics.append(row)
-            io.append_line(out / "metrics.jsonl", row)
-            if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
-                save_checkpoint()
-            if on_round is not None:
-                on_round(state.round, row)
-            if state.stop_signal is None and stop_requested is not None:
-                state.stop_signal = stop_requested()
-            if state.stop_signal is not None and state.round < config.rounds:
-                if state.checkpoint_round != state.round:
-                    save_checkpoint()
-                raise RunStopped(state.stop_signal, state.round, out)
+                trained += 1
+                train_s = time.perf_counter() - started
+                evaluated = trained % config.eval_every == 0 or trained == config.rounds
+                settle()  # the previous round's row first
+                if evaluated and overlap and trained < config.rounds:
+                    due = trained % config.checkpoint_every == 0
+                    snapshot = copy_tensors({"algorithm": algorithm.state_dict(),
+                                             "client_states": state.client_states.state_dict()}) if due else None
+                    model = copy.deepcopy(algorithm.global_model())  # fixed while the next round trains
+                    pending = {"row": row, "train_s": train_s, "snapshot": snapshot,
+                               "evaluation": evaluator.submit(evaluation, model, trained),
+                               "own_s": time.perf_counter() - started}
+                else:
+                    scores, eval_s = {}, 0.0
+                    if evaluated:
+                        try:
+                            scores, eval_s = evaluation(algorithm.global_model(), trained)
+                        except NonFiniteLoss as exc:
+                            raise NonFiniteLoss(f"{exc}; {kept()}") from None
+                    row.update(scores)
+                    close(row, train_s, eval_s, time.perf_counter() - started)
+                if state.stop_signal is None and stop_requested is not None:
+                    state.stop_signal = stop_requested()
+                if state.stop_signal is not None and trained < config.rounds:
+                    settle()
+                    if state.checkpoint_round != state.round:
+                        save_checkpoint()
+                    raise RunStopped(state.stop_signal, state.round, out)
+            settle()
+    finally:
+        if evaluator is not None:
+            evaluator.shutdown(wait=True, cancel_futures=True)
 
     summary = summarise(state, config, prep)
     io.write_json(out / "summary.json", summary)

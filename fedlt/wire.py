@@ -5,7 +5,8 @@ travel as their raw bytes with dtype and shape beside them), ints, floats (``rep
 double, NaN and ±inf included), strings, booleans, None, lists, tuples, dicts with any such keys,
 and registered dataclasses of them (``register``; decoding creates only registered types, so a
 message can never name code to run). Anything else is a one-line :class:`FedltError` naming the
-field, never a silent drop. Tensors come back detached, on the requested device.
+field, never a silent drop. Tensors come back detached, on the requested device, in their memory
+layout (a dense one, channels-last say, keeps its strides: kernels choose their path by it).
 
 An engine that moves messages between processes (Flower) wraps the two parts in its own records;
 the local engine does not encode at all.
@@ -63,9 +64,17 @@ def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
         if isinstance(v, np.bool_):
             return bool(v)
         if isinstance(v, torch.Tensor):
-            t = v.detach().cpu().contiguous()
+            t = v.detach().cpu()
+            node = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            # exact strides, not is_contiguous(): that ignores size-1 dimensions, whose strides still
+            # tell a conv weight of one input channel in channels-last from the default layout
+            order = None if t.stride() == _contiguous_strides(t.shape) else _dense_order(t)
+            if order is not None:  # channels-last and other dense layouts keep their strides: kernels pick
+                node["stride"] = list(t.stride())  # their path by layout, so the numbers depend on it
+                t = t.permute(order)
+            t = t.contiguous()
             arrays.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
-            return {"T": len(arrays) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            return {"T": len(arrays) - 1, **node}
         if isinstance(v, list):
             return {"l": [enc(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]}
         if isinstance(v, tuple):
@@ -100,6 +109,8 @@ def decode(text: str, arrays: list[torch.Tensor], device: torch.device | str = "
             dtype = _dtype(node["dtype"])
             raw = arrays[node["T"]]
             t = raw.view(dtype) if raw.numel() else torch.zeros(0, dtype=dtype)
+            if "stride" in node:
+                return t.as_strided(node["shape"], node["stride"]).to(device)
             return t.reshape(node["shape"]).to(device)
         if "l" in node:
             return [dec(x, depth + 1) for x in node["l"]]
@@ -115,6 +126,26 @@ def decode(text: str, arrays: list[torch.Tensor], device: torch.device | str = "
         raise FedltError(f"wire: malformed node {sorted(node)}")
 
     return dec(json.loads(text), 0)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dimensions from outermost to innermost in memory when ``t`` fills its memory densely
+    (a permutation of a contiguous tensor: channels-last, a transpose), else None."""
+    order = sorted(range(t.ndim), key=lambda d: -t.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    return order
 
 
 def _hashable(key: Any) -> Any:

@@ -97,3 +97,6 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
     finally:
         for m, mode in zip(modules, modes):
             m.train(mode)
+
+
+from fedlt.models import pfllib  # noqa: E402,F401  (registers pfllib_cnn)

@@ -21,6 +21,7 @@ with the component and the name of the property, e.g.
 | dataset | :func:`check_dataset` |
 | algorithm | :func:`check_algorithm` |
 | algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra) |
+| algorithm, in worker processes | :func:`check_parallel` |
 """
 
 from fedlt.testing.base import ContractError
@@ -31,6 +32,7 @@ from fedlt.testing.aggregators import check_aggregator
 from fedlt.testing.datasets import check_dataset
 from fedlt.testing.algorithms import check_algorithm
 from fedlt.testing.engines import check_engines
+from fedlt.testing.parallel import check_parallel
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter",
-           "check_aggregator", "check_dataset", "check_algorithm", "check_engines"]
+           "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel"]

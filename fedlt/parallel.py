@@ -1,0 +1,563 @@
+"""Clients in parallel worker processes: the local engine's runner when ``workers`` > 1
+(docs/parallel.md).
+
+    main process ──task (wire bytes, no data)──► worker k ──result (wire bytes)──► main process
+
+``WorkerPool`` keeps N processes alive (started with ``spawn``: never a fork of a process whose
+torch threads may be running), each with one torch thread. A run binds the pool once
+(``ParallelRunner.bind``): the training tensors go to every worker in shared memory (one copy
+into shared memory, none per round), the configuration and the partition as plain values; each
+worker builds the run's parts with ``fedlt.engine.prepare`` and keeps them while the run lasts.
+
+A task crosses as the lossless wire format without its data; the worker slices its client's
+samples from the shared tensors by the partition's indices, as a Flower node does. Every client
+is a function of its task (its own random stream, its own copies: fedlt.algorithms.protocol), so
+the results are bit-identical to ``workers = 1`` whichever worker runs which client and in
+whatever order (``fedlt.testing.check_parallel``).
+
+- One-call work (``call``): tasks go to whichever worker is free, largest client first.
+- Split learning (``exchange``): each participant's session is opened in one worker and stays
+  there for the round (pinned); every ``forward`` / ``finish`` is one message per worker carrying
+  its sessions' pending ``backward`` gradients and the next call. The server side stays in the
+  main process.
+- A worker that dies (killed, out of memory) or does not answer within ``reply_wait`` is
+  replaced; its tasks are re-run (its sessions replayed from their tasks and the gradients they
+  had received: the same calls give the same state). A task whose worker fails twice comes back
+  as a :class:`~fedlt.algorithms.protocol.ClientFailure` in place of its result (or upload), for
+  the round's fault policy to handle. Every wait is bounded.
+
+An error raised by client work itself (a non-finite loss, a bad setting) is raised in the main
+process as it would be with ``workers = 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from fedlt import wire
+from fedlt.algorithms.base import ClientData
+from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, SeededSession, Upload, run_client
+from fedlt.errors import FedltError, first_line
+
+STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
+REPLY_WAIT_S = 3600.0  # one message's work (a round's local training at most); then the worker is replaced
+ATTEMPTS = 2  # a task whose worker fails this many times becomes a ClientFailure
+
+
+def resolve_workers(workers: int | str) -> int:
+    """``workers`` as a count: ``"auto"`` is the cores this process may run on."""
+    if workers == "auto":
+        try:
+            return max(len(os.sched_getaffinity(0)), 1)
+        except AttributeError:  # not on Linux
+            return max(os.cpu_count() or 1, 1)
+    return int(workers)
+
+
+# -- the wire, as bytes through a pipe -------------------------------------------------------------
+Packed = tuple[str, list[bytes]]
+
+
+def pack(value: Any, name: str) -> Packed:
+    text, arrays = wire.encode(value, name)
+    return text, [a.numpy().tobytes() for a in arrays]
+
+
+def unpack(packed: Packed, device: torch.device | str = "cpu") -> Any:
+    text, blobs = packed
+    return wire.decode(text, [torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+                              for b in blobs], device)
+
+
+class WorkerError(Exception):
+    """An error raised in a worker whose exception could not cross back as itself."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (so the main process raises the same type), else its line."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return WorkerError(f"{type(exc).__name__}: {first_line(exc)}")
+
+
+# -- the worker process ---------------------------------------------------------------------------
+class _Worker:
+    """What one worker process holds: the run's parts and the round's open sessions."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.prep: Any = None
+        self.exchange_id = -1
+        self.sessions: dict[int, SeededSession] = {}
+
+    def bind(self, key: str, config_json: str, partition: Any, data: Any) -> None:
+        if key == self.key:
+            return
+        from fedlt.config import RunConfig
+        from fedlt.engine import prepare
+
+        self.key, self.prep, self.sessions = None, None, {}
+        self.prep = prepare(RunConfig.model_validate(json.loads(config_json)), partition, data=data)
+        self.key = key
+
+    def task(self, packed: Packed) -> ClientTask:
+        """The task with its client's data, sliced from the shared tensors as the engine slices it."""
+        prep = self.prep
+        device = torch.device(prep.config.device)
+        task = unpack(packed, device)
+        idx = torch.as_tensor(prep.partition.client_indices[task.cid], dtype=torch.long)
+        x, y = prep.data.x_train[idx], prep.data.y_train[idx]
+        data = ClientData(task.cid, x.to(device), y.to(device), prep.counts[task.cid].to(device))
+        return dataclasses.replace(task, data=data)
+
+    def call(self, packed: Packed) -> Packed:
+        task = self.task(packed)
+        return pack(run_client(self.prep.algorithm, task), f"result of client {task.cid}")
+
+    def session_ops(self, exchange_id: int, ops: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run the ops (session id, open | backward | forward | finish, argument) in order;
+        the outputs of forward and finish, packed, None for the others."""
+        if exchange_id != self.exchange_id:  # a new round's exchange: the last one's sessions are over
+            self.exchange_id, self.sessions = exchange_id, {}
+        device = torch.device(self.prep.config.device)
+        out: list[Any] = []
+        for sid, op, arg in ops:
+            if op == "open":
+                self.sessions[sid] = SeededSession(self.prep.algorithm, self.task(arg))
+                out.append(None)
+            elif op == "backward":
+                self.sessions[sid].backward(unpack(arg, device))
+                out.append(None)
+            elif op == "forward":
+                out.append(pack(self.sessions[sid].forward(), f"upload of session {sid}"))
+            elif op == "finish":
+                out.append(pack(self.sessions.pop(sid).finish(), f"result of session {sid}"))
+            else:
+                raise FedltError(f"unknown session op {op!r}")
+        return out
+
+
+def worker_main(conn: Connection) -> None:
+    """A worker's loop: one message in, one reply out, until told to stop or the pipe closes."""
+    torch.set_num_threads(1)  # N workers share the cores: one intra-op thread each
+    worker = _Worker()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind, args = message[0], message[1:]
+        if kind == "stop":
+            return
+        try:
+            if kind == "ping":
+                reply: Any = os.getpid()
+            elif kind == "bind":
+                reply = worker.bind(*args)
+            elif kind == "call":
+                reply = worker.call(*args)
+            elif kind == "sessions":
+                reply = worker.session_ops(*args)
+            elif kind == "die":  # tests: a worker that dies in the middle of its work
+                os._exit(9)
+            else:
+                raise FedltError(f"unknown message {kind!r}")
+            conn.send(("ok", reply))
+        except BaseException as exc:  # noqa: BLE001  (everything goes back to the main process)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            conn.send(("error", _portable(exc), traceback.format_exc()))
+
+
+# -- the main process -----------------------------------------------------------------------------
+class WorkerLost(Exception):
+    """A worker died or did not answer in time (its process is gone or killed)."""
+
+
+# imported once by the fork server, so that a worker (a fork of it) starts with them loaded
+PRELOAD = ["fedlt.engine", "fedlt.parallel", "torch._dynamo"]
+
+
+def _context() -> Any:
+    """``forkserver`` where there is one: a clean process that imports torch and fedlt once and
+    forks each worker from there before any torch thread exists (a worker, or its replacement,
+    starts in a fraction of a second); ``spawn`` elsewhere. Never a fork of this process, whose
+    torch threads may be running."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+@contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While a worker is spawned: a spawned process re-runs the parent's ``__main__`` file (a
+    user's script, perhaps without an ``if __name__ == "__main__"`` guard: it would run the whole
+    experiment again in every worker). A worker runs fedlt's code only, so it is not told of it."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+class _Process:
+    def __init__(self, ctx: Any, index: int) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_main, args=(child,), name=f"fedlt-worker-{index}", daemon=True)
+        with _main_not_rerun():
+            self.process.start()
+        child.close()
+        self.busy_since: float | None = None
+
+    def why_lost(self) -> str:
+        code = self.process.exitcode
+        return f"its process exited with code {code}" if code is not None else "its process stopped answering"
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+        self.conn.close()
+
+
+class WorkerPool:
+    """N persistent worker processes (``spawn``ed, one torch thread each), reusable across runs:
+    a run binds it with its parts (``bind``), and a worker rebuilds them only when they change."""
+
+    def __init__(self, workers: int, *, startup_wait: float = STARTUP_WAIT_S, reply_wait: float = REPLY_WAIT_S) -> None:
+        if workers < 1:
+            raise FedltError(f"workers must be at least 1, got {workers}")
+        self.size, self.startup_wait, self.reply_wait = workers, startup_wait, reply_wait
+        self.ctx = _context()
+        self.binding: tuple | None = None
+        self.replaced = 0  # workers replaced after a death or a timeout (tests and benchmarks read it)
+        self.procs = [_Process(self.ctx, i) for i in range(workers)]
+        for i in range(workers):
+            self._ask(i, ("ping",), self.startup_wait, "starting")
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _receive(self, i: int, deadline: float, what: str) -> tuple:
+        """The raw reply of worker ``i`` before ``deadline``; raises WorkerLost (the worker is then
+        killed, to be replaced)."""
+        proc = self.procs[i]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                raise WorkerLost(f"no reply within {self.reply_wait:.0f}s while {what}")
+            ready = wait([proc.conn, proc.process.sentinel], timeout=min(left, 5.0))
+            if proc.conn in ready or (ready and proc.conn.poll()):
+                try:
+                    return proc.conn.recv()
+                except (EOFError, OSError):
+                    raise WorkerLost(proc.why_lost()) from None
+            if proc.process.sentinel in ready:
+                raise WorkerLost(proc.why_lost())
+
+    @staticmethod
+    def _value(reply: tuple) -> Any:
+        """A reply's value, or the worker's error raised here as itself."""
+        if reply[0] == "ok":
+            return reply[1]
+        exc = reply[1]
+        exc.add_note(f"raised in a worker process:\n{reply[2]}")
+        raise exc
+
+    def _send(self, i: int, message: tuple) -> None:
+        try:
+            self.procs[i].conn.send(message)
+        except (OSError, ValueError):  # a broken pipe: the worker is gone; its reply wait will say so
+            pass
+
+    def _ask(self, i: int, message: tuple, timeout: float, what: str) -> Any:
+        self._send(i, message)
+        return self._value(self._receive(i, time.monotonic() + timeout, what))
+
+    def replace(self, i: int) -> None:
+        """Worker ``i`` anew, bound to the current run's parts."""
+        self.procs[i].kill()
+        self.procs[i] = _Process(self.ctx, i)
+        self.replaced += 1
+        try:
+            self._ask(i, ("ping",), self.startup_wait, "starting a replacement worker")
+            if self.binding is not None:
+                self._ask(i, ("bind", *self.binding), self.startup_wait, "building the run's parts")
+        except WorkerLost as exc:
+            raise FedltError(f"could not start a replacement for worker {i}: {exc}") from None
+
+    # -- binding a run --------------------------------------------------------------------------
+    def bind(self, config: Any, partition: Any, data: Any) -> None:
+        """Hand every worker the run's configuration, partition and training tensors (in shared
+        memory) and wait until each has built the run's parts."""
+        key = json.dumps([config.model_dump_json(), partition.sha256, data.name, list(data.x_train.shape)])
+        if self.binding is not None and self.binding[0] == key:
+            return
+        self.binding = None
+        binding = (key, config.model_dump_json(), partition, shared_train_set(data))
+        for i in range(self.size):
+            self._send(i, ("bind", *binding))
+        deadline = time.monotonic() + self.startup_wait
+        replies, lost = [], []
+        for i in range(self.size):
+            try:
+                replies.append(self._receive(i, deadline, "building the run's parts"))
+            except WorkerLost:
+                lost.append(i)
+        try:
+            for reply in replies:
+                self._value(reply)
+            self.binding = binding
+            for i in lost:  # died since the last run (or now): a new one, built with the run's parts
+                self.replace(i)
+        except FedltError as exc:
+            raise FedltError(f"a worker process could not build the run: {first_line(exc)} (a component "
+                             "registered in this process only is not found there: register it with an "
+                             "entry point)") from None
+
+    def close(self) -> None:
+        for i in range(self.size):
+            self._send(i, ("stop",))
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            proc.kill()
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- one-call work --------------------------------------------------------------------------
+    def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call") -> list[Any]:
+        """Each packed task run by a free worker, largest first; results in task order (packed),
+        a ClientFailure where a task's worker was lost ATTEMPTS times. An error of the client work
+        itself is raised once every worker has answered (the pipes stay in step)."""
+        todo = sorted(range(len(packed)), key=lambda k: -sizes[k])
+        results: list[Any] = [None] * len(packed)
+        failures = [0] * len(packed)
+        error: tuple | None = None
+        running: dict[int, tuple[int, float]] = {}  # worker -> (task, deadline)
+        while running or (todo and error is None):
+            for i in range(self.size):
+                if todo and error is None and i not in running:
+                    k = todo.pop(0)
+                    self._send(i, (message, packed[k]))
+                    running[i] = (k, time.monotonic() + self.reply_wait)
+            waits = {self.procs[i].conn: i for i in running} | {self.procs[i].process.sentinel: i for i in running}
+            left = min(d for _, d in running.values()) - time.monotonic()
+            ready = {waits[obj] for obj in wait(list(waits), timeout=max(min(left, 5.0), 0.0))}
+            lost: dict[int, str] = {}
+            for i in ready:
+                proc = self.procs[i]
+                if proc.conn.poll():
+                    try:
+                        reply = proc.conn.recv()
+                    except (EOFError, OSError):
+                        lost[i] = proc.why_lost()
+                        continue
+                    k, _ = running.pop(i)
+                    if reply[0] == "ok":
+                        results[k] = reply[1]
+                    elif error is None:
+                        error = reply
+                else:
+                    lost[i] = proc.why_lost()
+            now = time.monotonic()
+            for i, (k, deadline) in running.items():
+                if i not in lost and now > deadline:
+                    self.procs[i].kill()
+                    lost[i] = f"no reply within {self.reply_wait:.0f}s"
+            for i, why in lost.items():
+                k, _ = running.pop(i)
+                failures[k] += 1
+                if failures[k] >= ATTEMPTS:
+                    results[k] = ClientFailure(cids[k], f"failed: its worker was lost twice ({why})")
+                else:
+                    todo.insert(0, k)
+                self.replace(i)
+        if error is not None:
+            self._value(error)
+        return results
+
+    # -- sessions -------------------------------------------------------------------------------
+    def session_messages(self, exchange_id: int, per_worker: dict[int, list], histories: dict[int, list]
+                         ) -> dict[int, list[Any] | str]:
+        """One message of session ops to each worker in ``per_worker``, all in flight together;
+        each worker's outputs, or why it was lost twice. A lost worker is replaced, replays
+        ``histories[i]`` (the ops it had run this round, so its sessions are back where they
+        were) and gets its message again, once. An error of the work itself is raised once every
+        worker has answered."""
+        for i, ops in per_worker.items():
+            self._send(i, ("sessions", exchange_id, ops))
+        deadline = time.monotonic() + self.reply_wait
+        replies: dict[int, tuple | str] = {}
+        for i in per_worker:
+            try:
+                replies[i] = self._receive(i, deadline, "running split-learning sessions")
+            except WorkerLost as exc:
+                replies[i] = str(exc)
+        for i, reply in replies.items():
+            if not isinstance(reply, str):
+                continue
+            self.replace(i)
+            try:
+                replay = [op for message in histories[i] for op in message]
+                if replay:
+                    self._value(self._ask_raw(i, ("sessions", exchange_id, replay), "replaying sessions"))
+                replies[i] = self._ask_raw(i, ("sessions", exchange_id, per_worker[i]), "running sessions")
+            except WorkerLost as again:
+                self.replace(i)
+                replies[i] = str(again)
+        errors = [r for r in replies.values() if not isinstance(r, str) and r[0] != "ok"]
+        if errors:
+            self._value(errors[0])
+        return {i: r if isinstance(r, str) else r[1] for i, r in replies.items()}
+
+    def _ask_raw(self, i: int, message: tuple, what: str) -> tuple:
+        self._send(i, message)
+        return self._receive(i, time.monotonic() + self.reply_wait, what)
+
+
+def shared_train_set(data: Any) -> Any:
+    """The dataset with its training tensors in shared memory (what the workers slice clients
+    from) and no test set (the main process evaluates): moved once, never copied per round."""
+    def shared(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() > t.nbytes:  # a view of a larger set (train_limit): share only it
+            t = t.clone()
+        return t.share_memory_()
+
+    empty = lambda t: torch.empty((0, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
+    return dataclasses.replace(data, x_train=shared(data.x_train), y_train=shared(data.y_train),
+                               x_test=empty(data.x_test), y_test=empty(data.y_test))
+
+
+class ParallelRunner:
+    """A ClientRunner (fedlt.algorithms.protocol) over a :class:`WorkerPool`: ``ParallelRunner(2)``
+    starts (and ``close`` stops) its own pool; ``ParallelRunner(pool)`` uses a pool that outlives
+    it (tests reuse one across runs). The engine binds it to a run once (``bind``) and evaluates
+    round r while round r+1's clients train (``overlaps_evaluation``)."""
+
+    overlaps_evaluation = True
+
+    def __init__(self, workers: int | WorkerPool) -> None:
+        self.own = not isinstance(workers, WorkerPool)
+        self.pool = WorkerPool(workers) if self.own else workers
+        self.device = torch.device("cpu")
+        self.bound = False
+        self.exchanges = 0
+
+    def bind(self, prep: Any) -> None:
+        """The run's parts, given once by the engine after ``prepare``."""
+        self.device = torch.device(prep.config.device)
+        self.pool.bind(prep.config, prep.partition, prep.data)
+        self.bound = True
+
+    def close(self) -> None:
+        if self.own:
+            self.pool.close()
+
+    def __enter__(self) -> "ParallelRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_bound(self) -> None:
+        if not self.bound:
+            raise FedltError("a ParallelRunner must be bound to a run (bind(prepared)) before it runs clients")
+
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+        self._check_bound()
+        packed = [pack(dataclasses.replace(t, data=None), f"task of client {t.cid}") for t in tasks]
+        sizes = [len(t.data.y) if t.data is not None else 0 for t in tasks]
+        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks])
+        return [r if isinstance(r, ClientFailure) else unpack(r, self.device) for r in replies]
+
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "ParallelSessions":
+        self._check_bound()
+        self.exchanges += 1
+        return ParallelSessions(self, list(tasks), self.exchanges)
+
+
+class ParallelSessions:
+    """The round's split-learning sessions, each pinned to one worker (the workers balanced by
+    their clients' sample counts); ``backward`` sends nothing by itself: the gradients ride on
+    the next ``forward`` or ``finish`` message, one per worker."""
+
+    def __init__(self, runner: ParallelRunner, tasks: list[ClientTask], exchange_id: int) -> None:
+        self.runner, self.tasks, self.exchange_id = runner, tasks, exchange_id
+        pool = runner.pool
+        load = [(0, i) for i in range(pool.size)]
+        self.worker_of: list[int] = [0] * len(tasks)
+        for k in sorted(range(len(tasks)), key=lambda k: -(len(tasks[k].data.y) if tasks[k].data is not None else 0)):
+            used, i = heapq.heappop(load)
+            self.worker_of[k] = i
+            heapq.heappush(load, (used + (len(tasks[k].data.y) if tasks[k].data is not None else 0), i))
+        self.pending: list[list[tuple[int, str, Any]]] = [
+            [(k, "open", pack(dataclasses.replace(t, data=None), f"task of client {t.cid}"))] for k, t in enumerate(tasks)]
+        self.history: dict[int, list] = {i: [] for i in range(pool.size)}  # ops each worker ran this round
+        self.failed: dict[int, str] = {}  # session -> why its worker was lost twice
+        self.gone: set[int] = set()  # sessions told to leave the round (fedlt.faults)
+
+    def drop(self, k: int) -> None:
+        """Session k leaves the round: no more calls, None in the outputs (its worker's copy of it
+        is simply never called again)."""
+        self.gone.add(k)
+
+    def _run(self, op: str) -> list[Any]:
+        per_worker: dict[int, list] = {}
+        for k in range(len(self.tasks)):
+            if k not in self.failed and k not in self.gone:
+                per_worker.setdefault(self.worker_of[k], []).extend([*self.pending[k], (k, op, None)])
+        self.pending = [[] for _ in self.tasks]
+        replies = self.runner.pool.session_messages(self.exchange_id, per_worker, self.history)
+        out: list[Any] = [None] * len(self.tasks)
+        for i, ops in per_worker.items():
+            reply = replies[i]
+            if isinstance(reply, str):
+                for k, _, _ in ops:
+                    self.failed.setdefault(k, reply)
+                self.history[i] = []
+                continue
+            self.history[i].append(ops)
+            for (k, o, _), value in zip(ops, reply):
+                if o == op:
+                    out[k] = unpack(value, self.runner.device)
+        return [ClientFailure(t.cid, f"failed: worker lost twice ({self.failed[k]})") if k in self.failed
+                else None if k in self.gone else out[k] for k, t in enumerate(self.tasks)]
+
+    def forward(self) -> list[Upload | ClientFailure]:
+        return self._run("forward")
+
+    def backward(self, grads: list[torch.Tensor | None]) -> None:
+        for k, grad in enumerate(grads):
+            if k not in self.failed and k not in self.gone:
+                self.pending[k].append((k, "backward", pack(grad, "activation gradient")))
+
+    def finish(self) -> list[ClientResult | ClientFailure]:
+        return self._run("finish")
