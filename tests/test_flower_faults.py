@@ -191,7 +191,11 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scala"])
+# SCALA's story (split learning: participants lost mid-exchange, the SuperLink itself killed) runs
+# in the suite; FedAvg's (the ServerApp's process killed instead) passed when it was written (296 s
+# on the loaded machine) and runs with FEDLT_SLOW_DEPLOYMENT=1: the suite's 15 minutes cannot hold both
+@pytest.mark.parametrize("algorithm", ["scala", pytest.param("fedavg", marks=pytest.mark.skipif(
+    not os.environ.get("FEDLT_SLOW_DEPLOYMENT"), reason="FedAvg's deployment story: FEDLT_SLOW_DEPLOYMENT=1"))])
 def test_a_killed_node_a_stalled_node_and_a_killed_server_leave_the_run_as_if_the_clients_dropped(
         deployment, algorithm, tmp_path, one_thread):
     d, per_round = deployment, TASKS_PER_ROUND[algorithm]

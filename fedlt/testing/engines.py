@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +71,16 @@ def drop_pattern(config: Any) -> dict[str, Any]:
             "faults": {"on_failure": "drop", "min_results": 1}}
 
 
-def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = True, drops: bool = False,
-                  **settings: Any) -> None:
+def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Collection[str] = True,
+                  drops: bool = False, **settings: Any) -> None:
     """Check that every algorithm in ``cases`` — registered names, ``(name, params)`` pairs or
     ``(name, params, settings)`` triples — ends the same on the local engine and on Flower's
     simulation (see the module docstring). ``settings`` (for all cases, then a case's own)
     override :data:`fedlt.testing.algorithms.TINY`. With ``drops``, every run drops one sampled
     client in round 1 and another in round 2 (``drop_pattern``), and the client dropped in round 2
-    must keep exactly the state it had after round 1. Raises ContractError naming the algorithm,
-    the property and the first differences."""
+    must keep exactly the state it had after round 1. ``resume``: check exact resume on Flower
+    for every case (True), none (False), or the algorithms named. Raises ContractError naming the
+    algorithm, the property and the first differences."""
     import fedlt.algorithms
     from fedlt.config import RunConfig
     from fedlt.engine import run
@@ -88,7 +89,7 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = Tr
     normalised = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
                   for c in cases]
     with tempfile.TemporaryDirectory(prefix="fedlt-engines-") as tmp:
-        configs, jobs = [], []
+        configs, jobs, resumes = [], [], []
         for k, (name, params, own) in enumerate(normalised):
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
             base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params)
@@ -100,14 +101,15 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool = Tr
                             make("resumed", rounds=1, engine="flower"), make("resumed", rounds=2, engine="flower"),
                             make("local-cut", rounds=1)))
             jobs.append(Job(configs[-1][1]))
-            if resume:
+            resumes.append(resume if isinstance(resume, bool) else name in resume)
+            if resumes[-1]:
                 jobs += [Job(configs[-1][2]), Job(configs[-1][3], resume=True)]
         for local, *_, cut in configs:
             run(local)
             if drops:
                 run(cut)
         simulate(jobs)
-        for (name, params, own), (local, flower, _, resumed, cut) in zip(normalised, configs):
+        for (name, params, own), (local, flower, _, resumed, cut), resume in zip(normalised, configs, resumes):
             c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
             ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt")
                     for key, cfg in (("local", local), ("flower", flower), ("resumed", resumed)) if resume or key != "resumed"}
