@@ -75,7 +75,8 @@ def doctor(device: Optional[str] = typer.Option(None, help="device to check the 
     else:
         typer.echo(f"device: {where} ({platform.processor() or platform.machine()}), "
                    f"{'a CUDA device is present' if cuda else 'no CUDA device'}")
-    interpreted = where.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    # only when asked for: a CPU-only machine's default answer does not run the interpreter
+    interpreted = device is not None and where.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     if where.type != "cuda" and not interpreted:
         typer.echo("no GPU kernel is checked: the Triton kernels run on CUDA devices (fused='auto' runs the "
                    "analytic torch path on the CPU where it was measured faster; docs/fused.md)")

@@ -121,12 +121,15 @@ def test_on_trusts_the_kernel_without_a_check(cpu_as_gpu, monkeypatch):
     assert check.checks() == [] and float(on - off) == pytest.approx(1.0, abs=1e-4)
 
 
-def test_doctor_on_a_cpu_only_machine_says_no_gpu_kernel_is_checked(capsys):
+def test_doctor_on_a_cpu_only_machine_says_no_gpu_kernel_is_checked(capsys, monkeypatch):
     from fedlt.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    main(["doctor"])
+    main(["doctor"])  # the interpreter (set for the tests) is used only with an explicit --device cpu
+    assert "no GPU kernel is checked" in capsys.readouterr().out
+    monkeypatch.delenv("TRITON_INTERPRET")
+    main(["doctor", "--device", "cpu"])
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "triton " in out
     assert "no CUDA device" in out and "no GPU kernel is checked" in out

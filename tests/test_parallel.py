@@ -205,3 +205,25 @@ def test_a_dense_tensor_crosses_the_wire_with_its_strides(shape, data):
     assert back.shape == t.shape and back.stride() == t.stride() and torch.equal(back, t)
     conv = torch.nn.Conv2d(1, 4, 3).to(memory_format=torch.channels_last).weight.detach()
     assert wire.decode(*wire.encode(conv)).stride() == conv.stride() == (9, 1, 3, 1)
+
+
+def test_a_stop_signal_with_workers_checkpoints_and_resumes_exactly(pool, tmp_path):
+    """SIGINT while round 1 is being evaluated and round 2 trains: round 2 is evaluated and
+    checkpointed too (it had trained), the run stops there, and resuming it ends exactly where an
+    uninterrupted one-process run does."""
+    from fedlt.engine import RunStopped
+
+    base = dict(TINY, algorithm="scaffold", model="mlp", rounds=4)
+    run(RunConfig(**base, out=tmp_path / "straight"))
+
+    def interrupt(done, row):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(RunStopped) as stopped:
+        run(RunConfig(**base, workers=2, out=tmp_path / "cut"), runner=ParallelRunner(pool), on_round=interrupt)
+    assert stopped.value.round == 2
+    assert json.loads((tmp_path / "cut" / "checkpoint.json").read_text())["round"] == 2
+    run(RunConfig(**base, workers=2, out=tmp_path / "cut"), resume=True, runner=ParallelRunner(pool))
+    assert same_end(tmp_path / "straight", tmp_path / "cut") == []
+    assert without_timings(tmp_path / "straight") == without_timings(tmp_path / "cut")
