@@ -34,6 +34,10 @@ from fedlt.config import RunConfig
 from fedlt.errors import FedltError, first_line
 from fedlt.flower import require
 
+# the simulation's SuperNodes exist from the start and answer once Ray has started their actors,
+# which a loaded machine can delay beyond a deployment's 120 s: wait longer, there is nothing to miss
+SIMULATED_NODE_WAIT_S = 900.0
+
 LOG_NAME = "flower.log"  # Flower's and Ray's log lines of the run, beside its other files
 LOGGERS = ("flwr", "ray")
 
@@ -192,7 +196,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
             signals.in_loop = True
             try:
                 for job in jobs:
-                    rounds = FlowerRounds(grid, job.config)
+                    rounds = FlowerRounds(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
                     summary = run_engine(job.config, resume=job.resume, on_round=job.on_round,
                                          on_start=job.on_start, runner=rounds,
                                          stop_requested=lambda: signals.first)
