@@ -356,15 +356,16 @@ class WorkerPool:
     def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call") -> list[Any]:
         """Each packed task run by a free worker, largest first; results in task order (packed),
         a ClientFailure where a task's worker was lost ATTEMPTS times. An error of the client work
-        itself is raised once every worker has answered (the pipes stay in step)."""
+        itself is raised once every task has run (the pipes stay in step): the first failing
+        task's in task order, the error one process would have raised."""
         todo = sorted(range(len(packed)), key=lambda k: -sizes[k])
         results: list[Any] = [None] * len(packed)
         failures = [0] * len(packed)
-        error: tuple | None = None
+        errors: dict[int, tuple] = {}  # task -> its error reply
         running: dict[int, tuple[int, float]] = {}  # worker -> (task, deadline)
-        while running or (todo and error is None):
+        while running or todo:
             for i in range(self.size):
-                if todo and error is None and i not in running:
+                if todo and i not in running:
                     k = todo.pop(0)
                     self._send(i, (message, packed[k]))
                     running[i] = (k, time.monotonic() + self.reply_wait)
@@ -383,8 +384,8 @@ class WorkerPool:
                     k, _ = running.pop(i)
                     if reply[0] == "ok":
                         results[k] = reply[1]
-                    elif error is None:
-                        error = reply
+                    else:
+                        errors[k] = reply
                 else:
                     lost[i] = proc.why_lost()
             now = time.monotonic()
@@ -400,8 +401,8 @@ class WorkerPool:
                 else:
                     todo.insert(0, k)
                 self.replace(i)
-        if error is not None:
-            self._value(error)
+        if errors:  # every task ran: the error is the first task's in task order, as in one process
+            self._value(errors[min(errors)])
         return results
 
     # -- sessions -------------------------------------------------------------------------------
