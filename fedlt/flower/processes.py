@@ -91,20 +91,26 @@ def _reap(processes: dict[int, int]) -> None:
 # its stdin, which the parent holds open; EOF means the parent closed it (done, it cleaned up
 # itself) or died (then it kills what it last saw of the parent's new descendants).
 WATCHDOG = """
-import os, select, signal, sys
+import os, select, signal, sys, time
 sys.path[:0] = [sys.argv[1]]
 from fedlt.flower.processes import descendants, kill
 parent, before, me = int(sys.argv[2]), set(map(int, sys.argv[3:])), os.getpid()
 seen = {}
 while True:
-    ready, _, _ = select.select([sys.stdin], [], [], 0.5)
+    ready, _, _ = select.select([sys.stdin], [], [], 0.2)
     if ready and not os.read(sys.stdin.fileno(), 4096):
         break
     if os.getppid() != parent:
         break
     seen = descendants(parent, before | {me})
 if os.getppid() != parent:  # the parent died without cleaning up
-    kill(seen, signal.SIGKILL)
+    # what it last saw, and what those still start (a process started after the last look is a
+    # child of one that was seen): a few sweeps until nothing new turns up
+    for _ in range(20):
+        for pid in list(seen):
+            seen.update(descendants(pid, {me}))
+        kill(seen, signal.SIGKILL)
+        time.sleep(0.1)
 """
 
 
