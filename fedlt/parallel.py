@@ -38,6 +38,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -156,6 +157,8 @@ class _Worker:
 def worker_main(conn: Connection) -> None:
     """A worker's loop: one message in, one reply out, until told to stop or the pipe closes."""
     torch.set_num_threads(1)  # N workers share the cores: one intra-op thread each
+    # Ctrl-C reaches the whole process group: the main process finishes its round and stops the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = _Worker()
     while True:
         try:
