@@ -2,13 +2,14 @@
 
 For each setting, the same run with ``workers = 1`` (this process, torch's default threads: what
 a user gets today), ``workers = 1`` with one thread, and ``workers = 2`` (two worker processes of
-one thread each, evaluation overlapped with the next round):
+one thread each, evaluation overlapped with the next round; the main process on one thread):
 
 ratio    : mean round time (round_s, rounds after the first) with 2 workers / with 1 (default
            threads). Targets (issue 24): FedAvg ≤ 0.6, SCALA ≤ 0.75.
 equal    : the final checkpoints (global model, server and client states) of the 2-worker run and
            the one-thread run are bit-identical; ``equal_default`` against the default-thread run
-           (a different thread count may round differently).
+           (where a different thread count may round differently: the clients' steps for FedAvg,
+           the server side for split learning).
 model16  : a model, not a measurement, of the round on 16 cores with 16 workers, from the measured
            per-client time t_c (train_s / participants of the one-thread run), the measured
            per-round overhead of the parallel runner o = train_s(2 workers) − ⌈m/2⌉·t_c, and the
@@ -46,7 +47,9 @@ SETTINGS: dict[str, dict] = {
     "scala": dict(algorithm="scala", model="alexnet", split="s2", clients=100, participation=0.1,
                   partition={"name": "quantity", "alpha": 2}),
 }
-VARIANTS = {"w1": (1, None), "w1-1thread": (1, 1), "w2": (2, None)}  # workers, main-process threads
+# workers, main-process threads (the main process of a 2-worker run evaluates and, for split
+# learning, runs the server side: one thread, beside the two workers on two cores)
+VARIANTS = {"w1": (1, None), "w1-1thread": (1, 1), "w2": (2, 1)}
 
 RUN = """
 import json, sys, torch

@@ -38,6 +38,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -105,6 +106,7 @@ class _Worker:
         self.prep: Any = None
         self.exchange_id = -1
         self.sessions: dict[int, SeededSession] = {}
+        self.current = -1  # the session whose op runs (named in an error's reply)
 
     def bind(self, key: str, config_json: str, partition: Any, data: Any) -> None:
         if key == self.key:
@@ -138,6 +140,7 @@ class _Worker:
         device = torch.device(self.prep.config.device)
         out: list[Any] = []
         for sid, op, arg in ops:
+            self.current = sid
             if op == "open":
                 self.sessions[sid] = SeededSession(self.prep.algorithm, self.task(arg))
                 out.append(None)
@@ -156,6 +159,8 @@ class _Worker:
 def worker_main(conn: Connection) -> None:
     """A worker's loop: one message in, one reply out, until told to stop or the pipe closes."""
     torch.set_num_threads(1)  # N workers share the cores: one intra-op thread each
+    # Ctrl-C reaches the whole process group: the main process finishes its round and stops the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = _Worker()
     while True:
         try:
@@ -182,7 +187,7 @@ def worker_main(conn: Connection) -> None:
         except BaseException as exc:  # noqa: BLE001  (everything goes back to the main process)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            conn.send(("error", _portable(exc), traceback.format_exc()))
+            conn.send(("error", _portable(exc), traceback.format_exc(), worker.current))
 
 
 # -- the main process -----------------------------------------------------------------------------
@@ -356,19 +361,25 @@ class WorkerPool:
     def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call") -> list[Any]:
         """Each packed task run by a free worker, largest first; results in task order (packed),
         a ClientFailure where a task's worker was lost ATTEMPTS times. An error of the client work
-        itself is raised once every task has run (the pipes stay in step): the first failing
-        task's in task order, the error one process would have raised."""
+        itself is raised once every worker has answered (the pipes stay in step): the error of
+        the earliest task in task order, as one process running them in turn would raise."""
         todo = sorted(range(len(packed)), key=lambda k: -sizes[k])
         results: list[Any] = [None] * len(packed)
         failures = [0] * len(packed)
-        errors: dict[int, tuple] = {}  # task -> its error reply
+        # an error of the client work: the one of the earliest task in task order, as in one process,
+        # so tasks before it still run and tasks after it no longer start
+        error: tuple | None = None
+        failed_at = len(packed)
         running: dict[int, tuple[int, float]] = {}  # worker -> (task, deadline)
-        while running or todo:
+        while True:
+            todo = [k for k in todo if k < failed_at]
             for i in range(self.size):
                 if todo and i not in running:
                     k = todo.pop(0)
                     self._send(i, (message, packed[k]))
                     running[i] = (k, time.monotonic() + self.reply_wait)
+            if not running:
+                break
             waits = {self.procs[i].conn: i for i in running} | {self.procs[i].process.sentinel: i for i in running}
             left = min(d for _, d in running.values()) - time.monotonic()
             ready = {waits[obj] for obj in wait(list(waits), timeout=max(min(left, 5.0), 0.0))}
@@ -384,8 +395,8 @@ class WorkerPool:
                     k, _ = running.pop(i)
                     if reply[0] == "ok":
                         results[k] = reply[1]
-                    else:
-                        errors[k] = reply
+                    elif k < failed_at:
+                        error, failed_at = reply, k
                 else:
                     lost[i] = proc.why_lost()
             now = time.monotonic()
@@ -401,8 +412,8 @@ class WorkerPool:
                 else:
                     todo.insert(0, k)
                 self.replace(i)
-        if errors:  # every task ran: the error is the first task's in task order, as in one process
-            self._value(errors[min(errors)])
+        if error is not None:
+            self._value(error)
         return results
 
     # -- sessions -------------------------------------------------------------------------------
@@ -435,8 +446,8 @@ class WorkerPool:
                 self.replace(i)
                 replies[i] = str(again)
         errors = [r for r in replies.values() if not isinstance(r, str) and r[0] != "ok"]
-        if errors:
-            self._value(errors[0])
+        if errors:  # the earliest session's, as in one process (a worker runs its sessions in order)
+            self._value(min(errors, key=lambda r: r[3]))
         return {i: r if isinstance(r, str) else r[1] for i, r in replies.items()}
 
     def _ask_raw(self, i: int, message: tuple, what: str) -> tuple:

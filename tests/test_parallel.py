@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import fedlt.algorithms
 import fedlt.engine
 from fedlt import io, wire
-from fedlt.algorithms.protocol import ClientFailure, LocalRunner
+from fedlt.algorithms.protocol import ClientFailure
 from fedlt.config import RunConfig
 from fedlt.engine import run
 from fedlt.errors import FedltError
