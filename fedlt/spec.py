@@ -42,7 +42,7 @@ def shown(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:77] + "...")
 
 
-def _depth(node: ast.AST) -> int:
+def ast_depth(node: ast.AST) -> int:
     """Nesting depth of an AST, walked without recursion."""
     deepest, stack = 0, [(node, 1)]
     while stack:
@@ -76,7 +76,7 @@ def parse_expression(text: str, what: str, written: str | None = None) -> ast.ex
         tree = ast.parse(text.strip(), mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
         raise FedltError(f"{what} {shown(written)}: invalid syntax") from None
-    depth = _depth(tree)
+    depth = ast_depth(tree)
     if depth > MAX_DEPTH:
         raise FedltError(f"{what} {shown(written)}: nested {depth} levels deep, more than the {MAX_DEPTH} allowed")
     return tree

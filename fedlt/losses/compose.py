@@ -22,6 +22,8 @@ import torch
 
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
+from fedlt.spec import ast_depth as _depth
+from fedlt.spec import shown as _shown
 from fedlt.losses.base import SETUP_KEYS, Composite, LossTerm, compose, describe_params
 from fedlt.losses.fused import dispatch
 
@@ -55,19 +57,6 @@ def parse(expr: str) -> list[tuple[float, str, dict[str, Any]]]:
 MAX_EXPRESSION_LENGTH = 2000
 MAX_EXPRESSION_DEPTH = 64
 
-
-def _shown(expr: str) -> str:
-    return repr(expr) if len(expr) <= 80 else repr(expr[:77] + "...")
-
-
-def _depth(node: ast.AST) -> int:
-    """Nesting depth of an AST, walked without recursion."""
-    deepest, stack = 0, [(node, 1)]
-    while stack:
-        current, level = stack.pop()
-        deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in ast.iter_child_nodes(current))
-    return deepest
 
 
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
