@@ -360,10 +360,10 @@ def local_engine(config: RunConfig, *, resume: bool = False,
     from fedlt.parallel import ParallelRunner, resolve_workers
 
     workers = resolve_workers(config.workers)
+    tolerate = config.faults.on_failure == "drop"
     if workers == 1:
-        tolerate = config.faults.on_failure == "drop"
         return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner(tolerate))
-    with ParallelRunner(workers) as runner:
+    with ParallelRunner(workers, tolerate) as runner:
         return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner)
 
 

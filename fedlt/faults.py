@@ -103,15 +103,21 @@ class PolicyRunner:
                 self.drop(t.cid, reason)
             else:
                 live.append(self._with_fault(t))
+        results = self.accepted(self.transport.call(algorithm, live) if live else [])
+        self.check()
+        return results
+
+    def accepted(self, outcomes: Sequence[ClientResult | ClientFailure | None]) -> list[ClientResult]:
+        """The results the round applies: a failure, or (under ``drop``) an update that is not
+        finite, is dropped with its reason."""
         results = []
-        for outcome in (self.transport.call(algorithm, live) if live else []):
+        for outcome in outcomes:
             if isinstance(outcome, ClientFailure):
                 self.drop(outcome.cid, outcome.reason)
             elif self.faults.on_failure == "drop" and not finite_update(outcome):
                 self.drop(outcome.cid, "failed: its update is not finite")
             else:
                 results.append(outcome)
-        self.check()
         return results
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "PolicySessions":
@@ -168,6 +174,6 @@ class PolicySessions:
 
     def finish(self) -> list[ClientResult]:
         out = self._outer(self.inner.finish()) if self.inner else []
-        results = [r for r in out if isinstance(r, ClientResult)]
+        results = self.runner.accepted([r for r in out if isinstance(r, ClientResult)])
         self.runner.check()
         return results

@@ -27,7 +27,9 @@ whatever order (``fedlt.testing.check_parallel``).
   the round's fault policy to handle. Every wait is bounded.
 
 An error raised by client work itself (a non-finite loss, a bad setting) is raised in the main
-process as it would be with ``workers = 1``.
+process as it would be with ``workers = 1``; a runner that tolerates failures (``tolerate``: the
+round policy's ``faults.on_failure="drop"``) returns it as that client's ClientFailure instead,
+worded as the local runner words it, and the other clients go on.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ import torch
 
 from fedlt import wire
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, SeededSession, Upload, run_client
+from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, SeededSession, Upload, failure_reason,
+                                       run_client)
 from fedlt.errors import FedltError, first_line
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
@@ -97,6 +100,11 @@ def _portable(exc: BaseException) -> BaseException:
         return WorkerError(f"{type(exc).__name__}: {first_line(exc)}")
 
 
+def _failure(cid: int, exc: BaseException) -> ClientFailure:
+    """A tolerated error of client work, worded as the local runner words it."""
+    return ClientFailure(cid, f"failed: {exc}" if isinstance(exc, WorkerError) else failure_reason(exc))
+
+
 # -- the worker process ---------------------------------------------------------------------------
 class _Worker:
     """What one worker process holds: the run's parts and the round's open sessions."""
@@ -106,6 +114,8 @@ class _Worker:
         self.prep: Any = None
         self.exchange_id = -1
         self.sessions: dict[int, SeededSession] = {}
+        self.cids: dict[int, int] = {}  # session -> its client
+        self.failed: set[int] = set()  # sessions whose work raised under a tolerant runner (left the round)
         self.current = -1  # the session whose op runs (named in an error's reply)
 
     def bind(self, key: str, config_json: str, partition: Any, data: Any) -> None:
@@ -132,28 +142,43 @@ class _Worker:
         task = self.task(packed)
         return pack(run_client(self.prep.algorithm, task), f"result of client {task.cid}")
 
-    def session_ops(self, exchange_id: int, ops: list[tuple[int, str, Any]]) -> list[Any]:
+    def session_ops(self, exchange_id: int, ops: list[tuple[int, str, Any]], tolerate: bool = False) -> list[Any]:
         """Run the ops (session id, open | backward | forward | finish, argument) in order;
-        the outputs of forward and finish, packed, None for the others."""
+        the outputs of forward and finish, packed, None for the others. ``tolerate``: a session
+        whose op raises leaves the round, its output that op's ClientFailure; its later ops are
+        skipped (None) and the other sessions go on."""
         if exchange_id != self.exchange_id:  # a new round's exchange: the last one's sessions are over
-            self.exchange_id, self.sessions = exchange_id, {}
-        device = torch.device(self.prep.config.device)
+            self.exchange_id, self.sessions, self.cids, self.failed = exchange_id, {}, {}, set()
         out: list[Any] = []
         for sid, op, arg in ops:
             self.current = sid
-            if op == "open":
-                self.sessions[sid] = SeededSession(self.prep.algorithm, self.task(arg))
+            if sid in self.failed:
                 out.append(None)
-            elif op == "backward":
-                self.sessions[sid].backward(unpack(arg, device))
-                out.append(None)
-            elif op == "forward":
-                out.append(pack(self.sessions[sid].forward(), f"upload of session {sid}"))
-            elif op == "finish":
-                out.append(pack(self.sessions.pop(sid).finish(), f"result of session {sid}"))
-            else:
-                raise FedltError(f"unknown session op {op!r}")
+                continue
+            try:
+                out.append(self._session_op(sid, op, arg))
+            except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
+                if not tolerate:
+                    raise
+                self.sessions.pop(sid, None)
+                self.failed.add(sid)
+                out.append(_failure(self.cids.get(sid, -1), exc))
         return out
+
+    def _session_op(self, sid: int, op: str, arg: Any) -> Any:
+        if op == "open":
+            task = self.task(arg)
+            self.cids[sid] = task.cid
+            self.sessions[sid] = SeededSession(self.prep.algorithm, task)
+            return None
+        if op == "backward":
+            self.sessions[sid].backward(unpack(arg, torch.device(self.prep.config.device)))
+            return None
+        if op == "forward":
+            return pack(self.sessions[sid].forward(), f"upload of session {sid}")
+        if op == "finish":
+            return pack(self.sessions.pop(sid).finish(), f"result of session {sid}")
+        raise FedltError(f"unknown session op {op!r}")
 
 
 def worker_main(conn: Connection) -> None:
@@ -358,11 +383,13 @@ class WorkerPool:
         self.close()
 
     # -- one-call work --------------------------------------------------------------------------
-    def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call") -> list[Any]:
+    def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call",
+                  tolerate: bool = False) -> list[Any]:
         """Each packed task run by a free worker, largest first; results in task order (packed),
         a ClientFailure where a task's worker was lost ATTEMPTS times. An error of the client work
         itself is raised once every worker has answered (the pipes stay in step): the error of
-        the earliest task in task order, as one process running them in turn would raise."""
+        the earliest task in task order, as one process running them in turn would raise;
+        ``tolerate``: it is that task's ClientFailure instead and every task runs."""
         todo = sorted(range(len(packed)), key=lambda k: -sizes[k])
         results: list[Any] = [None] * len(packed)
         failures = [0] * len(packed)
@@ -395,6 +422,8 @@ class WorkerPool:
                     k, _ = running.pop(i)
                     if reply[0] == "ok":
                         results[k] = reply[1]
+                    elif tolerate:
+                        results[k] = _failure(cids[k], reply[1])
                     elif k < failed_at:
                         error, failed_at = reply, k
                 else:
@@ -417,15 +446,15 @@ class WorkerPool:
         return results
 
     # -- sessions -------------------------------------------------------------------------------
-    def session_messages(self, exchange_id: int, per_worker: dict[int, list], histories: dict[int, list]
-                         ) -> dict[int, list[Any] | str]:
+    def session_messages(self, exchange_id: int, per_worker: dict[int, list], histories: dict[int, list],
+                         tolerate: bool = False) -> dict[int, list[Any] | str]:
         """One message of session ops to each worker in ``per_worker``, all in flight together;
         each worker's outputs, or why it was lost twice. A lost worker is replaced, replays
         ``histories[i]`` (the ops it had run this round, so its sessions are back where they
         were) and gets its message again, once. An error of the work itself is raised once every
-        worker has answered."""
+        worker has answered (``tolerate``: the worker returns it as that session's ClientFailure)."""
         for i, ops in per_worker.items():
-            self._send(i, ("sessions", exchange_id, ops))
+            self._send(i, ("sessions", exchange_id, ops, tolerate))
         deadline = time.monotonic() + self.reply_wait
         replies: dict[int, tuple | str] = {}
         for i in per_worker:
@@ -440,8 +469,8 @@ class WorkerPool:
             try:
                 replay = [op for message in histories[i] for op in message]
                 if replay:
-                    self._value(self._ask_raw(i, ("sessions", exchange_id, replay), "replaying sessions"))
-                replies[i] = self._ask_raw(i, ("sessions", exchange_id, per_worker[i]), "running sessions")
+                    self._value(self._ask_raw(i, ("sessions", exchange_id, replay, tolerate), "replaying sessions"))
+                replies[i] = self._ask_raw(i, ("sessions", exchange_id, per_worker[i], tolerate), "running sessions")
             except WorkerLost as again:
                 self.replace(i)
                 replies[i] = str(again)
@@ -472,11 +501,13 @@ class ParallelRunner:
     """A ClientRunner (fedlt.algorithms.protocol) over a :class:`WorkerPool`: ``ParallelRunner(2)``
     starts (and ``close`` stops) its own pool; ``ParallelRunner(pool)`` uses a pool that outlives
     it (tests reuse one across runs). The engine binds it to a run once (``bind``) and evaluates
-    round r while round r+1's clients train (``overlaps_evaluation``)."""
+    round r while round r+1's clients train (``overlaps_evaluation``). ``tolerate``: a client whose
+    work raises becomes a ClientFailure (its first error line), as with ``LocalRunner(tolerate)``."""
 
     overlaps_evaluation = True
 
-    def __init__(self, workers: int | WorkerPool) -> None:
+    def __init__(self, workers: int | WorkerPool, tolerate: bool = False) -> None:
+        self.tolerate = tolerate
         self.own = not isinstance(workers, WorkerPool)
         self.pool = WorkerPool(workers) if self.own else workers
         self.device = torch.device("cpu")
@@ -507,7 +538,7 @@ class ParallelRunner:
         self._check_bound()
         packed = [pack(dataclasses.replace(t, data=None), f"task of client {t.cid}") for t in tasks]
         sizes = [len(t.data.y) if t.data is not None else 0 for t in tasks]
-        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks])
+        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], tolerate=self.tolerate)
         return [r if isinstance(r, ClientFailure) else unpack(r, self.device) for r in replies]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "ParallelSessions":
@@ -533,7 +564,8 @@ class ParallelSessions:
         self.pending: list[list[tuple[int, str, Any]]] = [
             [(k, "open", pack(dataclasses.replace(t, data=None), f"task of client {t.cid}"))] for k, t in enumerate(tasks)]
         self.history: dict[int, list] = {i: [] for i in range(pool.size)}  # ops each worker ran this round
-        self.failed: dict[int, str] = {}  # session -> why its worker was lost twice
+        self.failed: dict[int, str] = {}  # session -> why it failed (its work raised, or its worker was lost twice)
+        self.reported: set[int] = set()  # failures already returned (each is reported once, as LocalSessions does)
         self.gone: set[int] = set()  # sessions told to leave the round (fedlt.faults)
 
     def drop(self, k: int) -> None:
@@ -547,21 +579,29 @@ class ParallelSessions:
             if k not in self.failed and k not in self.gone:
                 per_worker.setdefault(self.worker_of[k], []).extend([*self.pending[k], (k, op, None)])
         self.pending = [[] for _ in self.tasks]
-        replies = self.runner.pool.session_messages(self.exchange_id, per_worker, self.history)
+        replies = self.runner.pool.session_messages(self.exchange_id, per_worker, self.history, self.runner.tolerate)
         out: list[Any] = [None] * len(self.tasks)
         for i, ops in per_worker.items():
             reply = replies[i]
             if isinstance(reply, str):
                 for k, _, _ in ops:
-                    self.failed.setdefault(k, reply)
+                    self.failed.setdefault(k, f"failed: worker lost twice ({reply})")
                 self.history[i] = []
                 continue
             self.history[i].append(ops)
             for (k, o, _), value in zip(ops, reply):
-                if o == op:
+                if isinstance(value, ClientFailure):
+                    self.failed.setdefault(k, value.reason)
+                elif o == op and k not in self.failed:
                     out[k] = unpack(value, self.runner.device)
-        return [ClientFailure(t.cid, f"failed: worker lost twice ({self.failed[k]})") if k in self.failed
-                else None if k in self.gone else out[k] for k, t in enumerate(self.tasks)]
+        result: list[Any] = []
+        for k, t in enumerate(self.tasks):
+            if k in self.failed and k not in self.reported:
+                self.reported.add(k)
+                result.append(ClientFailure(t.cid, self.failed[k]))
+            else:
+                result.append(None if k in self.failed or k in self.gone else out[k])
+        return result
 
     def forward(self) -> list[Upload | ClientFailure]:
         return self._run("forward")

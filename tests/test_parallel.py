@@ -140,6 +140,28 @@ def test_client_work_errors_arrive_as_themselves_and_the_pool_stays_in_step(pool
     assert same_end(tmp_path / "good-1", tmp_path / "good-2") == []
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "scala"])
+def test_under_drop_failing_clients_are_dropped_with_workers_as_in_one_process(pool, tmp_path, algorithm):
+    """Under faults.on_failure="drop", a client whose work raises (scripted ``fails``: in a call,
+    or in a split session's forward) or returns non-finite weights (``corrupts``) is dropped with
+    the same reason as in one process, the others go on, and the run ends bit-identical."""
+    first, second = (fedlt.engine.sample_clients(6, 0.5, 0, r) for r in range(2))
+    scenario = {"name": "scripted", "fails": [[1, first[1]], [2, second[2]]], "corrupts": [[2, second[0]]]}
+    model = {"model": "alexnet", "split": "s2"} if algorithm == "scala" else {"model": "mlp"}
+    base = dict(TINY, algorithm=algorithm, rounds=2, availability=scenario, faults={"on_failure": "drop"}, **model)
+    run(RunConfig(**base, out=tmp_path / "one"))
+    run(RunConfig(**base, workers=2, out=tmp_path / "two"), runner=ParallelRunner(pool, tolerate=True))
+    assert same_end(tmp_path / "one", tmp_path / "two") == []
+    rows = {d: [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("one", "two")}
+    assert [r["dropped"] for r in rows["two"]] == [r["dropped"] for r in rows["one"]]
+    assert rows["two"][0]["dropped"] == {
+        str(first[1]): f"failed: InjectedFault: injected failure of client {first[1]} in round 1"}
+    assert set(rows["two"][1]["dropped"]) == {str(second[0]), str(second[2])}
+    assert [r["returned"] for r in rows["two"]] == [[c for c in r["sampled"] if str(c) not in r["dropped"]]
+                                                  for r in rows["one"]]
+
+
 def test_overlapped_evaluation_keeps_rows_order_and_times(pool, tmp_path):
     """Three evaluated rounds with workers: the rows are those of one process (timings aside), in
     round order, each with its own eval_s; the round times add up to the run's wall time."""

@@ -197,6 +197,11 @@ def run_client(algorithm: Any, task: ClientTask) -> ClientResult:
         raise InjectedFault(f"injected failure of client {task.cid} in round {task.round_index + 1}")
     with client_rng(task):
         result = algorithm.client_work(task)
+    return _with_injected_nan(task, result)
+
+
+def _with_injected_nan(task: ClientTask, result: ClientResult) -> ClientResult:
+    """The result with non-finite weights when a scenario asked this client to corrupt its update."""
     if task.fault == "nan":
         result.weights = {k: v.float().fill_(float("nan")).to(v.dtype) if v.is_floating_point() else v
                           for k, v in result.weights.items()}
@@ -228,7 +233,7 @@ class SeededSession:
         self._run("backward", grad)
 
     def finish(self) -> ClientResult:
-        return self._run("finish")
+        return _with_injected_nan(self.task, self._run("finish"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"session": self.session.state_dict(), "rng": self.rng}
