@@ -128,7 +128,7 @@ def test_grouped_is_sequential_with_groups_of_one_and_concat_with_one_group(tmp_
     from fedlt.config import RunConfig
     from fedlt.engine import run
 
-    common = dict(algorithm="scala", clients=5, participation=1.0, rounds=1, train_limit=200, local_iters=2,
+    common = dict(algorithm="scala", clients=5, participation=1.0, rounds=1, train_limit=200, test_limit=50, local_iters=2,
                   server_batch=20, partition={"name": "iid"})
     run(RunConfig(**common, algorithm_params={"server": same_as}, out=tmp_path / "builtin"))
     run(RunConfig(**common, algorithm_params={"server": f"grouped(size={size})"}, out=tmp_path / "grouped"))
