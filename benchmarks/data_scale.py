@@ -1,0 +1,165 @@
+"""Streaming image files (``imagefolder``): peak memory against the number of images, and
+throughput against the same images held in memory.
+
+A synthetic ImageFolder tree of 50k 96×96 JPEG images (10 classes, smooth random scenes, ~4 kB
+each, written with torchvision.io's JPEG encoder in batches) plus 1k test images, read through
+ImageNet-LT style split files. Every run is FedAvg for 2 rounds, 10 of 20 clients (iid), T = 10
+local iterations of B_k = 32 (server batch 320), evaluated after the last round — the same work
+whatever the number of images — each in a fresh process:
+
+rss      : the main process's peak RSS (ru_maxrss), streaming 50k images against 1k images, with 2
+           loader workers (their own peak beside it). Target (issue 25): 50k within 0.5 GiB of 1k.
+speed    : training samples per second (Σ B_k·T over the rounds / Σ train_s) on a 5k-image subset,
+           streamed with 0 and 2 loader workers against the same images decoded into an in-memory
+           tensor beforehand. Target: streamed with 2 workers ≥ 0.7 of in memory.
+
+The model is ``timm:resnet10t`` (the smallest timm ResNet; its input size is free), the kind of
+model 96×96 images are trained with; the decoding cost per sample is fixed, so a smaller model
+gives a lower ratio. The machine's load matters for the speed ratios: the loader workers only help
+when a core is free for them (the script prints the load average and the cores it may use).
+
+Run: python benchmarks/data_scale.py [--tree DIR] [--images 50000] [--subset 5000]
+(--tree keeps the generated images in DIR for another run.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+
+SIZE, CLASSES, TEST = 96, 10, 1000
+SETTINGS = dict(algorithm="fedavg", model="timm:resnet10t", clients=20, participation=0.5, rounds=2, local_iters=10,
+                server_batch=320, partition={"name": "iid"}, eval_every=2, checkpoint_every=2)
+
+RUN = r"""
+import json, resource, sys, time
+import torch
+torch.set_num_threads(1)
+import fedlt.datasets
+from fedlt.config import RunConfig
+from fedlt.datasets.base import InMemoryDataset
+from fedlt.engine import run
+from fedlt.algorithms.base import proportional_batches
+
+settings, root, memory = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "memory"
+config = RunConfig.model_validate(settings)
+if memory:  # the same images, decoded once into tensors before the run
+    lazy = fedlt.datasets.load(config.dataset, root=root)
+    held = InMemoryDataset("held", torch.cat(list(lazy.x_train.loading(2).chunks(1024))), lazy.y_train,
+                           torch.cat(list(lazy.x_test.loading(2).chunks(1024))), lazy.y_test, lazy.num_classes)
+    fedlt.datasets.REGISTRY.add("held", lambda root=None, download=False: held)
+    config = config.model_copy(update={"dataset": "held"})
+began = time.perf_counter()
+summary = run(config)
+wall = time.perf_counter() - began
+rows = [json.loads(line) for line in open(f"{config.out}/metrics.jsonl")]
+partition = json.load(open(f"{config.out}/partition.json"))
+sizes = [sum(row) for row in partition["class_counts"]]
+samples = sum(config.local_iters * sum(proportional_batches([sizes[c] for c in row["sampled"]], config.server_batch))
+              for row in rows)
+print(json.dumps({"samples": samples, "train_s": sum(r["train_s"] for r in rows),
+                  "eval_s": sum(r["eval_s"] for r in rows), "wall_s": wall, "accuracy": summary["final"]["accuracy"],
+                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "children_rss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+def generate(root: Path, images: int) -> None:
+    """root/train/c<k>/<i>.jpg and root/val/c<k>/<i>.jpg, and their split files, unless there."""
+    import torch
+    from torchvision.io import encode_jpeg
+
+    if (root / f"train_{images}.txt").is_file() and (root / "test.txt").is_file():
+        return
+    g = torch.Generator().manual_seed(0)
+    began = time.perf_counter()
+    for split, n in (("train", images), ("val", TEST)):
+        lines = []
+        for start in range(0, n, 500):
+            count = min(500, n - start)
+            labels = torch.arange(start, start + count) % CLASSES
+            coarse = torch.rand(count, 3, 6, 6, generator=g) * 160 + labels.view(-1, 1, 1, 1) * 9
+            scenes = torch.nn.functional.interpolate(coarse, size=(SIZE, SIZE), mode="bicubic", align_corners=False)
+            scenes = (scenes + torch.randn(scenes.shape, generator=g) * 6).clamp(0, 255).to(torch.uint8)
+            for k, data in enumerate(encode_jpeg(list(scenes), quality=90)):
+                rel = f"{split}/c{int(labels[k])}/{start + k:06d}.jpg"
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_bytes(data.numpy().tobytes())
+                lines.append(f"{rel} {int(labels[k])}")
+        (root / (f"train_{images}.txt" if split == "train" else "test.txt")).write_text("\n".join(lines) + "\n")
+    print(f"generated {images} + {TEST} images of {SIZE}x{SIZE} in {time.perf_counter() - began:.0f} s "
+          f"({sum(f.stat().st_size for f in (root / 'train' / 'c0').iterdir()) / (images / CLASSES) / 1024:.1f} kB "
+          "per image)", flush=True)
+
+
+def subset_list(root: Path, images: int, first: int) -> str:
+    name = f"train_{first}.txt"
+    if not (root / name).is_file():
+        lines = (root / f"train_{images}.txt").read_text().splitlines()
+        (root / name).write_text("\n".join(lines[:first]) + "\n")
+    return name
+
+
+def measure(root: Path, train_list: str, loader_workers: int, memory: bool = False) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        settings = dict(SETTINGS, out=f"{out}/run", loader_workers=loader_workers,
+                        dataset=f"imagefolder(image_size={SIZE}, train_list='{train_list}', test_list='test.txt')")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+        proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings), str(root),
+                               "memory" if memory else "files"], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"run failed ({train_list}, {loader_workers} workers):\n{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["samples_per_s"] = result["samples"] / result["train_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, default=None, help="keep the generated images here (default: a temp dir)")
+    parser.add_argument("--images", type=int, default=50_000)
+    parser.add_argument("--small", type=int, default=1_000)
+    parser.add_argument("--subset", type=int, default=5_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as temp:
+        root = args.tree or Path(temp)
+        root.mkdir(parents=True, exist_ok=True)
+        generate(root, args.images)
+        load = os.getloadavg()
+        cores = sorted(os.sched_getaffinity(0))
+        runs = {
+            "files-50k-w2": measure(root, f"train_{args.images}.txt", 2),
+            "files-1k-w2": measure(root, subset_list(root, args.images, args.small), 2),
+            "memory-5k": measure(root, subset_list(root, args.images, args.subset), 0, memory=True),
+            "files-5k-w0": measure(root, subset_list(root, args.images, args.subset), 0),
+            "files-5k-w2": measure(root, subset_list(root, args.images, args.subset), 2),
+        }
+    gib = 1024 ** 2  # KiB per GiB
+    big, small = runs["files-50k-w2"], runs["files-1k-w2"]
+    memory = runs["memory-5k"]["samples_per_s"]
+    rows = [[name, r["samples"], round(r["samples_per_s"], 1), round(r["samples_per_s"] / memory, 3),
+             round(r["train_s"], 2), round(r["eval_s"], 2), round(r["rss_kib"] / gib, 3),
+             round(r["children_rss_kib"] / gib, 3), round(r["accuracy"], 4)] for name, r in runs.items()]
+    meta = {"settings": SETTINGS, "image_size": SIZE, "images": args.images, "small": args.small,
+            "subset": args.subset, "test_images": TEST, "cores": cores, "loadavg_before": load,
+            "loadavg_after": os.getloadavg(),
+            "rss_difference_gib": round((big["rss_kib"] - small["rss_kib"]) / gib, 3),
+            "rss_target": "50k within 0.5 GiB of 1k",
+            "speed_ratio_w2": round(runs["files-5k-w2"]["samples_per_s"] / memory, 3),
+            "speed_ratio_w0": round(runs["files-5k-w0"]["samples_per_s"] / memory, 3), "speed_target": ">= 0.7 (w2)"}
+    common.report("data_scale", ["run", "samples", "samples/s", "vs memory", "train_s", "eval_s", "peak RSS GiB",
+                                 "loader peak GiB", "accuracy"], rows, meta)
+    print(json.dumps({k: meta[k] for k in ("rss_difference_gib", "speed_ratio_w2", "speed_ratio_w0", "cores",
+                                            "loadavg_before", "loadavg_after")}))
+
+
+if __name__ == "__main__":
+    main()
