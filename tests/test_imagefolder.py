@@ -132,9 +132,10 @@ def test_only_paths_and_labels_are_held(tree):
 
 
 # -- runs -----------------------------------------------------------------------------------------
-RUN = ["--model", "mlp", "--clients", "4", "--participation", "0.5", "--rounds", "2", "--eval-every", "1",
-       "--partition", "iid", "--local-iters", "3", "--server-batch", "16", "--eval-batch", "7", "--quiet",
-       "--augment", "random_crop(size=14, padding=2) + hflip"]
+RUN = ["--clients", "4", "--participation", "0.5", "--rounds", "2", "--eval-every", "1", "--partition", "iid",
+       "--local-iters", "3", "--server-batch", "16", "--set", "eval_batch=7", "--quiet",
+       "--augment", "random_crop(padding=2) + hflip"]
+MODEL = {"fedavg": "mlp", "scala": "alexnet"}  # SCALA cuts AlexNet at s2 (32×32 inputs)
 
 
 def run_rows(tmp_path: Path, name: str, *argv: str) -> list[dict]:
@@ -147,11 +148,11 @@ def test_a_streamed_run_equals_the_in_memory_run_with_0_or_2_loader_workers(tree
     """The lazy source reads exactly the images and labels the in-memory tensors hold, in the
     client's own batch order, and touches no random stream (augmentation draws the same)."""
     root, _ = tree
-    spec = "imagefolder(image_size=16)"
+    spec = "imagefolder(image_size=32)"
     decoded = fedlt.datasets.load(spec, root=root)
     held = InMemoryDataset("held", decoded.x_train.take(slice(None)), decoded.y_train,
                            decoded.x_test.take(slice(None)), decoded.y_test, decoded.num_classes)
-    common = ["--algo", algo, "--split", "s1"] if algo == "scala" else ["--algo", algo]
+    common = ["--algo", algo, "--model", MODEL[algo]]
     with fedlt.datasets.REGISTRY.temporary("held", lambda root=None, download=False: held):
         in_memory = run_rows(tmp_path, "memory", *common, "--dataset", "held")
     streamed = [run_rows(tmp_path, f"files{w}", *common, "--dataset", spec, "--data-root", str(root),
@@ -163,7 +164,7 @@ def test_a_streamed_run_equals_the_in_memory_run_with_0_or_2_loader_workers(tree
 def test_worker_processes_decode_their_own_clients_files(tree, tmp_path):
     """fedlt.parallel's workers receive the paths and decode themselves: the same rows as one process."""
     root, _ = tree
-    argv = ["--algo", "fedavg", "--dataset", "imagefolder(image_size=16)", "--data-root", str(root),
+    argv = ["--algo", "fedavg", "--model", "mlp", "--dataset", "imagefolder(image_size=16)", "--data-root", str(root),
             "--loader-workers", "2", "--threads", "1"]
     assert run_rows(tmp_path, "parallel", *argv, "--workers", "2") == run_rows(tmp_path, "one", *argv)
 
@@ -242,7 +243,7 @@ def bad_case(root: Path, case: str) -> tuple[list[str], str]:
         return [f"imagefolder(train_list='{train_list}')"], "give both train_list and test_list, or neither"
     if case == "test class unknown":
         (root / "test" / "zebra").mkdir()
-        (root / "test" / "c0" / "001.png").rename(root / "test" / "zebra" / "001.png")
+        (root / "test" / "c0" / "000.jpg").rename(root / "test" / "zebra" / "000.jpg")
         return ["imagefolder"], f"{root / 'test' / 'zebra'} is not a class of the training split"
     if case == "no train folder":
         (root / "train").rename(root / "elsewhere")

@@ -400,20 +400,21 @@ def cache_key(listing: Listing, stamps: np.ndarray, size: int, channels: int, fi
 
 def pixel_statistics(files: ImageFiles, count: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and (population) std in [0, 1] units over ``STATS_IMAGES`` evenly spaced
-    images (all of them when fewer), in float64; a constant channel gets std 1."""
+    images (all of them when fewer), in float64, in one pass (each block's mean and squared
+    deviations merged as Chan et al. do: no cancellation); a constant channel gets std 1."""
     positions = np.unique(np.linspace(0, count - 1, min(count, STATS_IMAGES)).round().astype(np.int64))
-    total = squares = 0.0
-    pixels = 0
+    n, mean, m2 = 0, 0.0, 0.0
     for start in range(0, len(positions), 256):
         block = files.read(positions[start:start + 256]).astype(np.float64) / 255.0
-        total = total + block.sum(axis=(0, 2, 3))
-        pixels += block.shape[0] * block.shape[2] * block.shape[3]
-    mean = total / pixels
-    for start in range(0, len(positions), 256):
-        block = files.read(positions[start:start + 256]).astype(np.float64) / 255.0
-        squares = squares + ((block - mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
-    std = np.sqrt(squares / pixels)
-    return tuple(mean.tolist()), tuple(np.where(std > 0, std, 1.0).tolist())
+        k = block.shape[0] * block.shape[2] * block.shape[3]
+        block_mean = block.mean(axis=(0, 2, 3))
+        block_m2 = ((block - block_mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+        delta = block_mean - mean
+        mean = mean + delta * k / (n + k)
+        m2 = m2 + block_m2 + delta ** 2 * n * k / (n + k)
+        n += k
+    std = np.sqrt(m2 / n)
+    return tuple(np.asarray(mean).tolist()), tuple(np.where(std > 0, std, 1.0).tolist())
 
 
 def _channel_values(name: str, values: Any, channels: int, positive: bool) -> tuple[float, ...]:
