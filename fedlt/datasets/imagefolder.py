@@ -27,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -235,6 +236,17 @@ class ImageFiles:
     channels: int
     fit: str
     cache: Cache | None = None
+    # DataLoaders with persistent workers, kept per decoding (mean, std, transforms, workers, device)
+    # and each lent to one stream at a time: a client's (or an evaluation's) stream reuses the worker
+    # processes instead of starting its own (~0.1 s each); concurrent streams (split learning's
+    # sessions) get one each. They live as long as these files (never pickled).
+    kept: dict = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "kept": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def read(self, positions: np.ndarray) -> np.ndarray:
         """uint8 (n, C, S, S) of the files at ``positions`` (from the cache where it holds them)."""
@@ -267,38 +279,49 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-class _Decoder(torch.utils.data.Dataset):
-    """What a DataLoader worker runs: a whole index batch decoded at once (``__getitems__``). A
-    decoding error comes back as its one line (a worker's exception would arrive wrapped in its
-    traceback)."""
+def _decode(files: ImageFiles, positions: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
+            transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]) -> torch.Tensor:
+    """The files at ``positions`` decoded, standardised (fedlt.datasets.base.normalise) and transformed."""
+    x = normalise(torch.from_numpy(files.read(positions)), mean, std)
+    for transform in transforms:
+        x = transform(x)
+    return x
 
-    def __init__(self, source: "FileImages") -> None:
-        self.source = source
+
+class _Decoder(torch.utils.data.Dataset):
+    """What a DataLoader worker runs: a whole batch of file positions decoded at once
+    (``__getitems__``). A decoding error comes back as its one line (a worker's exception would
+    arrive wrapped in its traceback)."""
+
+    def __init__(self, files: ImageFiles, mean: tuple[float, ...], std: tuple[float, ...],
+                 transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]) -> None:
+        self.files, self.mean, self.std, self.transforms = files, mean, std, transforms
 
     def __len__(self) -> int:
-        return len(self.source)
+        return len(self.files.listing.paths)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> torch.Tensor | str:
         return self.__getitems__([i])
 
-    def __getitems__(self, batch: list[int]) -> torch.Tensor | str:
+    def __getitems__(self, positions: list[int]) -> torch.Tensor | str:
         try:
-            return self.source.decoded(np.asarray(batch, dtype=np.int64))
+            return _decode(self.files, np.asarray(positions, dtype=np.int64), self.mean, self.std, self.transforms)
         except FedltError as exc:
             return str(exc)
 
 
-class _Sampler:
-    """The batch sampler a DataLoader draws from: the given index batches, in order, each noted
-    (the loader reads ahead, so the labels are paired with the batches as they come back)."""
+class _Feed:
+    """The batch sampler of a kept DataLoader: the current stream's batches (file positions); each
+    ``iter(loader)`` starts the stream set last."""
 
-    def __init__(self, index_batches: Iterable[Any], drawn: collections.deque) -> None:
-        self.index_batches, self.drawn = index_batches, drawn
+    def __init__(self) -> None:
+        self.batches: Iterator[list[int]] = iter(())
 
     def __iter__(self) -> Iterator[list[int]]:
-        for idx in self.index_batches:
-            self.drawn.append(idx)
-            yield idx.tolist() if hasattr(idx, "tolist") else list(idx)
+        return self.batches
+
+
+_KEPT_LOCK = threading.Lock()  # the evaluation may read (in a thread) while clients train
 
 
 @dataclass(frozen=True, eq=False)
@@ -331,19 +354,37 @@ class FileImages:
     def __repr__(self) -> str:
         return f"FileImages({len(self)} images of {self.item_shape}, workers={self.workers})"
 
-    def decoded(self, idx: np.ndarray | slice) -> torch.Tensor:
-        """The images ``idx`` decoded, on the CPU (what a loader worker sends back)."""
-        pixels = torch.from_numpy(self.files.read(np.atleast_1d(self.index[idx])))
-        x = normalise(pixels, self.mean, self.std)
-        for transform in self.transforms:
-            x = transform(x)
-        return x
-
     def subset(self, idx: torch.Tensor | slice) -> "FileImages":
         return replace(self, index=self.index[_positions(idx)])
 
     def take(self, idx: torch.Tensor | slice) -> torch.Tensor:
-        return self.decoded(_positions(idx)).to(self.device)
+        positions = np.atleast_1d(self.index[_positions(idx)])
+        return _decode(self.files, positions, self.mean, self.std, self.transforms).to(self.device)
+
+    def _lend(self) -> tuple[Any, _Feed]:
+        """A kept DataLoader for this split's decoding (made on first need), lent to one stream."""
+        key = (self.mean, self.std, self.transforms, self.workers, self.device.type)
+        with _KEPT_LOCK:
+            idle = self.files.kept.setdefault(key, [])
+            if idle:
+                return idle.pop()
+        feed = _Feed()
+        with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
+            warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+            loader = torch.utils.data.DataLoader(
+                # a copy of the files without the kept loaders: no reference cycle, so the loaders (and
+                # their processes) end as soon as the files are dropped, not at a garbage collection
+                # whose order of finalisation can leave their workers unstopped for seconds
+                _Decoder(replace(self.files, kept={}), self.mean, self.std, self.transforms), batch_sampler=feed,
+                num_workers=self.workers, collate_fn=_as_is, pin_memory=self.device.type == "cuda",
+                persistent_workers=True,
+                generator=torch.Generator().manual_seed(0))  # a seed draw from torch's would shift the client's stream
+        return loader, feed
+
+    def _give_back(self, kept: tuple[Any, _Feed]) -> None:
+        key = (self.mean, self.std, self.transforms, self.workers, self.device.type)
+        with _KEPT_LOCK:
+            self.files.kept.setdefault(key, []).append(kept)
 
     def _stream(self, index_batches: Iterable[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
         """(idx, decoded images) for each index batch, in order."""
@@ -351,20 +392,27 @@ class FileImages:
             for idx in index_batches:
                 yield idx, self.take(idx)
             return
-        drawn: collections.deque = collections.deque()
-        with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
-            warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-            loader = iter(torch.utils.data.DataLoader(_Decoder(self), batch_sampler=_Sampler(index_batches, drawn),
-                                                      num_workers=self.workers, collate_fn=_as_is,
-                                                      pin_memory=self.device.type == "cuda",
-                                                      # its workers' seed from a generator of its own: a
-                                                      # draw from torch's would shift the client's stream
-                                                      generator=torch.Generator().manual_seed(0)))
-        for x in loader:
-            idx = drawn.popleft()
-            if isinstance(x, str):
-                raise FedltError(x)
-            yield idx, x.to(self.device, non_blocking=True)
+        drawn: collections.deque = collections.deque()  # the loader reads ahead: labels pair up as batches return
+
+        def positions() -> Iterator[list[int]]:
+            for idx in index_batches:
+                drawn.append(idx)
+                yield np.atleast_1d(self.index[_positions(idx)]).tolist()
+
+        loader, feed = kept = self._lend()
+        feed.batches = positions()
+        try:
+            with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                batches = iter(loader)
+            for x in batches:
+                idx = drawn.popleft()
+                if isinstance(x, str):
+                    raise FedltError(x)
+                yield idx, x.to(self.device, non_blocking=True)
+        finally:  # a stream left half-read is drained by the next one's iter()
+            feed.batches = iter(())
+            self._give_back(kept)
 
     def batches(self, labels: torch.Tensor, index_batches: Iterable[torch.Tensor]
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
