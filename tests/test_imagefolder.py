@@ -131,6 +131,37 @@ def test_only_paths_and_labels_are_held(tree):
     assert images(data.x_train).shared() is data.x_train
 
 
+def test_loader_processes_start_once_per_split_and_serve_every_stream_in_its_order(tree):
+    """Streams one after another reuse the same worker processes; two open at once get one loader
+    each; every stream returns its own batches, in its order, as decoded in this process."""
+    root, _ = tree
+    data = fedlt.datasets.load("imagefolder(image_size=12)", root=root)
+    source, labels = data.x_train.loading(2), data.y_train
+
+    def read(x, client_labels, order):
+        return [(b.clone(), y) for b, y in x.batches(client_labels, order)]
+
+    def kept():
+        return [loader for loaders in source.files.kept.values() for loader, _ in loaders]
+
+    orders = [[torch.tensor([3, 1]), torch.tensor([0, 2, 4])], [torch.tensor([9, 8, 7])]]
+    for client, order in zip((torch.arange(0, 20), torch.arange(20, 40)), orders):
+        streamed = read(source.subset(client), labels[client], order)
+        here = read(data.x_train.subset(client), labels[client], order)
+        assert all(torch.equal(a, b) and torch.equal(ya, yb) for (a, ya), (b, yb) in zip(streamed, here))
+        assert len(streamed) == len(order)
+        (loader,) = kept()
+        pids = [w.pid for w in loader._iterator._workers]
+        assert len(pids) == 2 and (client[0] == 0 or pids == first_pids)
+        first_pids = pids
+    one, two = source.batches(labels, orders[0]), source.batches(labels, orders[1])  # open together
+    a, b = next(one), next(two)
+    assert torch.equal(a[0], data.x_train.take(orders[0][0])) and torch.equal(b[0], data.x_train.take(orders[1][0]))
+    assert torch.equal(next(one)[0], data.x_train.take(orders[0][1]))
+    one.close(), two.close()
+    assert len(kept()) == 2
+
+
 # -- runs -----------------------------------------------------------------------------------------
 RUN = ["--clients", "4", "--participation", "0.5", "--rounds", "2", "--eval-every", "1", "--partition", "iid",
        "--local-iters", "3", "--server-batch", "16", "--set", "eval_batch=7", "--quiet",
