@@ -204,7 +204,7 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     # pipeline's output, and the test set gets its evaluation form (resize, crops, normalize) once
     augment = fedlt.augment.fit(config.augment, data.x_train)
     pipeline = fedlt.augment.build(augment)
-    input_shape = pipeline.output_shape(tuple(data.x_train.shape[1:]))  # checked against the images first
+    input_shape = pipeline.output_shape(tuple(data.x_train.shape[1:]))
     if pipeline.changes_eval and fresh:
         data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
     if partition is None:
@@ -525,7 +525,8 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
                 clients = []
                 for cid in chosen:
                     idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
-                    clients.append(ClientData(cid, images(x_train).subset(idx), y_train[idx], prep.counts[cid].to(device)))
+                    clients.append(ClientData(cid, images(x_train).subset(idx), y_train[idx],
+                                              prep.counts[cid].to(device)))
                 try:
                     row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
                                            **train_round(algorithm, prep.ctx, round_index, clients,
