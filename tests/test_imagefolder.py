@@ -86,7 +86,7 @@ def test_images_decode_as_torchvision_imagefolder_and_are_standardised(tree, siz
     want, labels, classes = reference(root, size, fit, channels)
     data = fedlt.datasets.load(f"imagefolder(image_size={size}, fit={fit}, channels={channels})", root=root)
     assert data.class_names == tuple(classes) and data.y_train.tolist() == labels
-    assert torch.equal(torch.from_numpy(data.x_train.files.read(np.arange(len(labels)))), want)
+    assert torch.equal(torch.from_numpy(data.x_train.files.read(np.arange(len(labels)))).permute(0, 3, 1, 2), want)
     # standardised by the training pixels' mean and population std (all of them: fewer than 2048 images)
     unit = want.double() / 255
     mean, std = unit.mean(dim=(0, 2, 3)), unit.std(dim=(0, 2, 3), unbiased=False)

@@ -50,7 +50,7 @@ SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM"
 FORMATS = "JPEG, PNG, GIF, BMP, WebP, TIFF, PPM/PGM"
 STATS_IMAGES = 2048  # training images (evenly spaced) whose pixels give the default mean and std
 MAX_IMAGE_SIZE = 4096
-CACHE_FORMAT = 1  # part of the cache key: a change of the decoding below makes new cache files
+CACHE_FORMAT = 2  # part of the cache key: a change of the decoding below makes new cache files
 
 
 # -- listing the files ------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def check_files(listing: Listing) -> np.ndarray:
 
 # -- decoding -------------------------------------------------------------------------------------
 def decode(path: bytes | str, size: int, channels: int, fit: str) -> np.ndarray:
-    """One image as uint8 (C, size, size): Pillow's decoding, ``convert("RGB")`` (or ``"L"``), then
+    """One image as uint8 (size, size, C), channels last as Pillow gives it: Pillow's decoding, ``convert("RGB")`` (or ``"L"``), then
     torchvision's ``Resize(size)`` + ``CenterCrop(size)`` on the PIL image (``fit="crop"``: the
     shorter side to ``size``, bilinear with antialiasing, the centre kept) or ``Resize((size, size))``
     (``fit="stretch"``). Raises whatever Pillow raises on a damaged file."""
@@ -183,11 +183,11 @@ def decode(path: bytes | str, size: int, channels: int, fit: str) -> np.ndarray:
     elif (w, h) != (size, size):
         image = image.resize((size, size), Image.BILINEAR)
     pixels = np.asarray(image, dtype=np.uint8)
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return pixels[:, :, None] if pixels.ndim == 2 else pixels
 
 
 class Cache:
-    """Decoded, resized images as uint8 in ``<key>.npy`` (N, C, S, S) beside ``<key>.filled`` (one
+    """Decoded, resized images as uint8 in ``<key>.npy`` (N, S, S, C) beside ``<key>.filled`` (one
     byte per image, set once its row is written). Rows are read and written with ``pread`` /
     ``pwrite`` — safe from several processes at once, and no mapped page ever counts in a process's
     memory — and the ``.npy`` opens with ``np.load(mmap_mode="r")`` for anyone else."""
@@ -249,8 +249,8 @@ class ImageFiles:
         self.__dict__.update(state)
 
     def read(self, positions: np.ndarray) -> np.ndarray:
-        """uint8 (n, C, S, S) of the files at ``positions`` (from the cache where it holds them)."""
-        out = np.empty((len(positions), self.channels, self.size, self.size), dtype=np.uint8)
+        """uint8 (n, S, S, C) of the files at ``positions`` (from the cache where it holds them)."""
+        out = np.empty((len(positions), self.size, self.size, self.channels), dtype=np.uint8)
         for k, p in enumerate(positions.tolist()):  # one file per image: decoding is per file anyway
             cached = None if self.cache is None else self.cache.get(p)
             if cached is not None:
@@ -281,8 +281,10 @@ def _as_is(batch: Any) -> Any:
 
 def _decode(files: ImageFiles, positions: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
             transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]) -> torch.Tensor:
-    """The files at ``positions`` decoded, standardised (fedlt.datasets.base.normalise) and transformed."""
-    x = normalise(torch.from_numpy(files.read(positions)), mean, std)
+    """The files at ``positions`` decoded, standardised (fedlt.datasets.base.normalise) and transformed.
+    The pixels stay channels last: (N, H, W, C) seen as (N, C, H, W) is already the channels-last
+    layout normalise produces, so it costs no copy."""
+    x = normalise(torch.from_numpy(files.read(positions)).permute(0, 3, 1, 2), mean, std)
     for transform in transforms:
         x = transform(x)
     return x
@@ -454,9 +456,9 @@ def pixel_statistics(files: ImageFiles, count: int) -> tuple[tuple[float, ...], 
     n, mean, m2 = 0, 0.0, 0.0
     for start in range(0, len(positions), 256):
         block = files.read(positions[start:start + 256]).astype(np.float64) / 255.0
-        k = block.shape[0] * block.shape[2] * block.shape[3]
-        block_mean = block.mean(axis=(0, 2, 3))
-        block_m2 = ((block - block_mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+        k = block.shape[0] * block.shape[1] * block.shape[2]  # (n, S, S, C): per channel, the last axis
+        block_mean = block.mean(axis=(0, 1, 2))
+        block_m2 = ((block - block_mean) ** 2).sum(axis=(0, 1, 2))
         delta = block_mean - mean
         mean = mean + delta * k / (n + k)
         m2 = m2 + block_m2 + delta ** 2 * n * k / (n + k)
@@ -547,7 +549,7 @@ def imagefolder(root: str | Path | None = None, download: bool = False, image_si
         if cache is not None:
             key = cache_key(listing, stamps, size, channels, fit)
             try:
-                store = Cache(Path(cache), key, len(listing.paths), (channels, size, size))
+                store = Cache(Path(cache), key, len(listing.paths), (size, size, channels))
             except OSError as exc:
                 raise FedltError(f"{WHAT}: cache folder {cache} cannot be used: {exc.strerror or first_line(exc)}"
                                  ) from None
