@@ -165,8 +165,9 @@ def test_loader_processes_start_once_per_split_and_serve_every_stream_in_its_ord
 # -- runs -----------------------------------------------------------------------------------------
 RUN = ["--clients", "4", "--participation", "0.5", "--rounds", "2", "--eval-every", "1", "--partition", "iid",
        "--local-iters", "3", "--server-batch", "16", "--set", "eval_batch=7", "--quiet",
-       "--augment", "random_crop(padding=2) + hflip"]
-MODEL = {"fedavg": "mlp", "scala": "alexnet"}  # SCALA cuts AlexNet at s2 (32×32 inputs)
+       "--augment", "random_crop(padding=2) + hflip + resize(size=28) + normalize"]  # normalize: statistics over
+# the training images (read in chunks), and the test set's evaluation transforms (resize, normalize) on the way
+MODEL = {"fedavg": "mlp", "scala": "alexnet"}  # SCALA cuts AlexNet at s2 (28×28 inputs after resize)
 
 
 def run_rows(tmp_path: Path, name: str, *argv: str) -> list[dict]:
