@@ -139,7 +139,7 @@ def partition_command(
         partitioner = create_from_spec(fedlt.partitioners.REGISTRY, spec, "--partition")  # as fedlt run checks it
     except ValueError as exc:
         raise FedltError(f"partition: {exc}") from None
-    data = fedlt.datasets.create(dataset, root=data_root, download=download)
+    data = fedlt.datasets.load(dataset, root=data_root, download=download)
     part = fedlt.partitioners.partition_data(partitioner, data, clients, seed)  # with the dataset's groups, if any
     describe = partitioner.describe() if hasattr(partitioner, "describe") else part.manifest["name"]
 

@@ -119,8 +119,9 @@ def run(
                                         "index for timm; none for no default cut"),
     model: Optional[str] = typer.Option(None, help="model spec: alexnet, mlp, timm:<name>, or name(k=v, ...) "
                                         "(fedlt list models)"),
-    dataset: Optional[str] = typer.Option(None, help="mnist (offline), cifar10, cifar100, fashion_mnist, svhn"),
-    data_root: Optional[str] = typer.Option(None, help="folder holding the torchvision datasets (none: unset)"),
+    dataset: Optional[str] = typer.Option(None, help="mnist (offline), cifar10, cifar100, fashion_mnist, svhn, arrays, "
+                                          "or imagefolder(image_size=..., ...) (fedlt list datasets)"),
+    data_root: Optional[str] = typer.Option(None, help="folder holding the dataset's files (none: unset)"),
     download: Optional[bool] = typer.Option(None, "--download/--no-download",
                                             help="let torchvision download a missing dataset"),
     partition: PartitionFlag = PARTITION_OPTIONS["partition"],
@@ -167,6 +168,8 @@ def run(
     fused: Optional[str] = typer.Option(None, "--fused", help="fused loss path: auto, on, off (docs/fused.md)"),
     workers: Optional[str] = typer.Option(None, help="worker processes training the clients: N or auto (the cores); "
                                           "results are identical to 1 (docs/parallel.md)"),
+    loader_workers: Optional[int] = typer.Option(None, help="DataLoader processes decoding images read from files "
+                                                 "(imagefolder) ahead of use; 0: none (docs/datasets.md)"),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads for this process (default: torch's); "
                                           "1 when several runs share the cores (docs/runs.md)"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="any setting as KEY=VALUE, e.g. groups.many_above=50 "
@@ -202,7 +205,7 @@ def run(
     scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused, client_eval=client_eval,
-                   download=download, engine=engine, workers=workers, out=resume or out)
+                   download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)

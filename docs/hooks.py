@@ -36,8 +36,9 @@ KIND_INTRO = {
     "aggregators": "Server-side aggregation of the clients' models (`--aggregator`).",
     "augmentations": "Training-time transforms (`--augment`, e.g. `random_crop(padding=4) + hflip`), batched on "
                      "tensors, drawing from each client's own random stream (see [Augmentation](../augmentation.md)).",
-    "datasets": "In-memory datasets (`--dataset`); MNIST ships inside the package, the torchvision sets "
-                "are read from `--data-root`, and `arrays` reads your own NumPy files (see [Datasets](../datasets.md)).",
+    "datasets": "Datasets (`--dataset`, a name or a spec such as `imagefolder(image_size=96)`); MNIST ships inside "
+                "the package, the torchvision sets are read from `--data-root`, `arrays` reads your own NumPy files "
+                "and `imagefolder` streams image files from disk (see [Datasets](../datasets.md)).",
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fedlt.datasets.source import CHUNK, Images, images
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 
@@ -28,7 +29,6 @@ REGISTRY: Registry = Registry("augmentation", product=lambda obj: None if callab
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
 
 Shape = tuple[int, int, int]  # (C, H, W) of one sample
-CHUNK = 1024  # samples transformed at a time when the whole test set is transformed
 
 
 class Transform(BaseModel):
@@ -279,11 +279,12 @@ class Pipeline:
     def changes_eval(self) -> bool:
         return any(t.changes_eval for t in self.transforms)
 
-    def eval_all(self, x: torch.Tensor) -> torch.Tensor:
-        """``eval`` over a whole split, ``CHUNK`` samples at a time (bounded temporaries)."""
+    def eval_all(self, x: Images) -> Images:
+        """``eval`` over a whole split: a tensor ``CHUNK`` samples at a time (bounded temporaries),
+        an image source as it decodes."""
         if not self.changes_eval:
             return x
-        return torch.cat([self.eval(part) for part in x.split(CHUNK)])
+        return images(x).map(self.eval, self.output_shape(tuple(x.shape[1:])))
 
 
 def build(specs: Any) -> Pipeline:
@@ -298,22 +299,22 @@ def build(specs: Any) -> Pipeline:
         raise FedltError(f"augment: {exc}") from None
 
 
-def _channel_statistics(pipeline: Pipeline, x: torch.Tensor) -> tuple[list[float], list[float]]:
+def _channel_statistics(pipeline: Pipeline, x: Images) -> tuple[list[float], list[float]]:
     total = squares = None
     count = 0
-    for part in x.split(CHUNK):  # float64 sums in two passes: no cancellation in the variance
+    for part in images(x).chunks(CHUNK):  # float64 sums in two passes: no cancellation in the variance
         part = pipeline.eval(part).double()
         total = part.sum(dim=(0, 2, 3)) if total is None else total + part.sum(dim=(0, 2, 3))
         count += part.shape[0] * part.shape[2] * part.shape[3]
     mean = total / count
-    for part in x.split(CHUNK):
+    for part in images(x).chunks(CHUNK):
         part = pipeline.eval(part).double() - mean.view(1, -1, 1, 1)
         squares = (part * part).sum(dim=(0, 2, 3)) if squares is None else squares + (part * part).sum(dim=(0, 2, 3))
     std = (squares / count).sqrt()
     return mean.tolist(), torch.where(std > 0, std, torch.ones_like(std)).tolist()
 
 
-def fit(specs: Any, x_train: torch.Tensor) -> list[dict[str, Any]]:
+def fit(specs: Any, x_train: Images) -> list[dict[str, Any]]:
     """The spec list with every ``normalize()`` given its statistics over ``x_train`` (as the
     transforms before it leave it), and the whole pipeline checked against the images' shape
     (a crop larger than the image is a one-line FedltError)."""

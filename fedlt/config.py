@@ -135,7 +135,8 @@ class Faults(Strict):
 
 class RunConfig(Strict):
     # data
-    dataset: str = "mnist"
+    dataset: str = Field("mnist", description="a registered dataset, or its spec with parameters, e.g. "
+                         "'imagefolder(image_size=96)' (docs/datasets.md)")
     data_root: Path | None = None
     download: bool = False
     train_limit: PositiveInt | None = Field(None, description="use only the first N training samples")
@@ -179,6 +180,9 @@ class RunConfig(Strict):
                         "simulation runtime, a SuperNode per client: docs/flower.md), or a plugin's")
     workers: int | Literal["auto"] = Field(1, description="processes training the clients (local engine): "
                                                     "1 (this process), N, or auto (the cores); docs/parallel.md")
+
+    loader_workers: int = Field(0, ge=0, le=64, description="DataLoader processes decoding images read from files "
+                                "(imagefolder) ahead of training and evaluation; 0: in the training process")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -230,11 +234,16 @@ class RunConfig(Strict):
 
     @field_validator("dataset")
     @classmethod
-    def _known_dataset(cls, name: str) -> str:
+    def _known_dataset(cls, spec: str) -> str:
+        """A dataset spec (``mnist``, ``imagefolder(image_size=96)``): the name is checked (with the
+        valid names and a suggestion) and its parameter names; their values when it is loaded."""
         import fedlt.datasets
 
-        fedlt.datasets.get(name)  # raises with the valid names and a suggestion
-        return name
+        try:
+            fedlt.datasets.parse(spec)
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return spec
 
     @field_validator("algorithm")
     @classmethod

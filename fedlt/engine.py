@@ -52,6 +52,7 @@ from fedlt.algorithms.split import classifier_of
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
+from fedlt.datasets.source import images
 from fedlt.errors import FedltError, first_line
 from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.metrics import class_groups, evaluate
@@ -62,7 +63,7 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # what does not change a single number (device placement aside, which users may move on purpose).
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
 RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "fused", "eval_batch",
-                     "engine", "workers", "faults.min_results", "faults.on_failure"}
+                     "engine", "workers", "loader_workers", "faults.min_results", "faults.on_failure"}
 # (how many clients a round needs and what a failure does decide whether the run goes on, not
 # what a completed round computed: a run stopped below min_results may resume with a lower one)
 
@@ -98,8 +99,8 @@ class StoppedAtOnce(KeyboardInterrupt):
 
 
 def load_data(config: RunConfig) -> InMemoryDataset:
-    data = fedlt.datasets.create(config.dataset, root=config.data_root, download=config.download)
-    return data.limit(config.train_limit, config.test_limit)
+    data = fedlt.datasets.load(config.dataset, root=config.data_root, download=config.download)
+    return data.limit(config.train_limit, config.test_limit).loading(config.loader_workers)
 
 
 def make_partition(config: RunConfig, data: InMemoryDataset):
@@ -441,7 +442,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
     availability = from_spec(fedlt.availability.REGISTRY, config.availability)
     policy = PolicyRunner(runner, availability, config.faults, config.seeds.sampling)
     faults_possible = config.faults.on_failure == "drop" or availability.acts or config.faults.round_timeout is not None
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    x_train, y_train = images(data.x_train).to(device), data.y_train.to(device)
     bind = getattr(runner, "bind", None)
     if bind is not None:  # a runner with processes of its own (fedlt.parallel) gets the run's parts once
         bind(prep)
@@ -524,7 +525,8 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
                 clients = []
                 for cid in chosen:
                     idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=device)
-                    clients.append(ClientData(cid, x_train[idx], y_train[idx], prep.counts[cid].to(device)))
+                    clients.append(ClientData(cid, images(x_train).subset(idx), y_train[idx],
+                                              prep.counts[cid].to(device)))
                 try:
                     row: dict[str, Any] = {"round": round_index + 1, "participants": len(chosen),
                                            **train_round(algorithm, prep.ctx, round_index, clients,

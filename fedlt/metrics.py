@@ -13,14 +13,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedlt.datasets.source import Images, images
 from fedlt.models import eval_mode
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 2048, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Logits for every row of ``x`` (eval mode restored to the caller's mode afterwards)."""
+def predict(model: nn.Module, x: Images, batch_size: int = 2048, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Logits for every row of ``x`` (a tensor, or an image source decoded chunk by chunk), eval
+    mode restored to the caller's mode afterwards."""
     with eval_mode(model):
-        return torch.cat([model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
+        return torch.cat([model(chunk.to(device)).float().cpu() for chunk in images(x).chunks(batch_size)])
 
 
 def class_groups(train_counts: np.ndarray, rule: Literal["count", "share"] = "count",
@@ -89,7 +91,7 @@ def client_metrics(per_class_accuracy: list[float | None], client_class_counts: 
             "client_std_accuracy": float(scores.std())}
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+def evaluate(model: nn.Module, x: Images, y: torch.Tensor, num_classes: int,
              groups: dict[str, np.ndarray] | None = None, batch_size: int = 2048,
              device: str | torch.device = "cpu", client_class_counts: np.ndarray | None = None) -> dict:
     """``classification_metrics`` of ``model`` on (x, y), plus ``client_metrics`` when the K×C

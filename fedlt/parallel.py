@@ -55,6 +55,7 @@ from fedlt import wire
 from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, SeededSession, Upload, failure_reason,
                                        run_client)
+from fedlt.datasets.source import images
 from fedlt.errors import FedltError, first_line
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
@@ -134,7 +135,7 @@ class _Worker:
         device = torch.device(prep.config.device)
         task = unpack(packed, device)
         idx = torch.as_tensor(prep.partition.client_indices[task.cid], dtype=torch.long)
-        x, y = prep.data.x_train[idx], prep.data.y_train[idx]
+        x, y = images(prep.data.x_train).subset(idx), prep.data.y_train[idx]  # from files: paths, decoded here
         data = ClientData(task.cid, x.to(device), y.to(device), prep.counts[task.cid].to(device))
         return dataclasses.replace(task, data=data)
 
@@ -486,14 +487,10 @@ class WorkerPool:
 
 def shared_train_set(data: Any) -> Any:
     """The dataset with its training tensors in shared memory (what the workers slice clients
-    from) and no test set (the main process evaluates): moved once, never copied per round."""
-    def shared(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().nbytes() > t.nbytes:  # a view of a larger set (train_limit): share only it
-            t = t.clone()
-        return t.share_memory_()
-
+    from; images read from files cross as their paths, and each worker decodes its own clients')
+    and no test set (the main process evaluates): moved once, never copied per round."""
     empty = lambda t: torch.empty((0, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
-    return dataclasses.replace(data, x_train=shared(data.x_train), y_train=shared(data.y_train),
+    return dataclasses.replace(data, x_train=images(data.x_train).shared(), y_train=images(data.y_train).shared(),
                                x_test=empty(data.x_test), y_test=empty(data.y_test))
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from fedlt.datasets.torchvision_sets import SETS
 
 N_TRAIN, N_TEST = 600, 200
-NAMES = {*SETS, "arrays"}  # the registered datasets that read files: written here
+NAMES = {*SETS, "arrays", "imagefolder"}  # the registered datasets that read files: written here
 
 
 def _pixels(rng: np.random.Generator, n: int, channels: int, size: int, dataset: str) -> np.ndarray:
@@ -87,5 +87,15 @@ def write(dataset: str, root: Path, monkeypatch) -> None:
             np.save(root / f"x_{split}.npy", rng.integers(0, 256, (n, 12, 12, 3), dtype=np.uint8))
             np.save(root / f"y_{split}.npy", np.array(_labels(rng, n, 10)))
         np.save(root / "groups_train.npy", rng.integers(0, 30, N_TRAIN))
+    elif dataset == "imagefolder":  # torchvision's folder layout, PNG and JPEG files of several sizes
+        from PIL import Image
+
+        for split, n in (("train", N_TRAIN), ("test", N_TEST)):
+            for i, label in enumerate(_labels(rng, n, 10)):
+                folder = root / split / f"class{label}"
+                folder.mkdir(parents=True, exist_ok=True)
+                h, w = (int(v) for v in rng.integers(8, 40, 2))
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:04d}.{'png' if i % 2 else 'jpg'}")
     else:
         raise ValueError(f"no synthetic files for {dataset}")

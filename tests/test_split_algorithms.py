@@ -194,7 +194,7 @@ def test_the_teacher_is_the_round_start_global_model_in_eval_mode_and_moves_no_s
     model = copy.deepcopy(algorithm.global_model())
     round = CONTEXTS[id(algorithm)].round(1, clients, classifier_of(algorithm.global_model()))
     tasks = algorithm.strategy.configure(round, clients, STATES[id(algorithm)])
-    idx = next(ActivationClient(tasks[0], client_part(algorithm)).batches)  # the same stream, replayed
+    idx, _, _ = next(ActivationClient(tasks[0], client_part(algorithm)).batches)  # the same stream, replayed
     session = ActivationClient(tasks[0], client_part(algorithm))
     before = snapshot(algorithm.global_model())
     upload = session.forward()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -13,6 +13,7 @@ from torch import nn
 import fedlt.aggregators
 import fedlt.losses
 from fedlt.context import ModelSpec, RoundContext
+from fedlt.datasets.source import Images, images
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 
@@ -64,15 +65,26 @@ AggregatorSpec = spec_of(fedlt.aggregators.REGISTRY, "aggregator")
 
 @dataclass(frozen=True)
 class ClientData:
-    """One client's local training set (in-memory tensors) and its class counts over all of it."""
+    """One client's local training set and its class counts over all of it. ``x`` is an
+    in-memory tensor or an image source decoded on demand (fedlt.datasets.source); client work
+    reads it through ``batches`` and ``take`` only, so it never asks which."""
 
     cid: int
-    x: torch.Tensor
+    x: Images
     y: torch.Tensor
     class_counts: torch.Tensor  # (C,) int64, over the WHOLE local set (SPEC §2's n)
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def batches(self, index_batches: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(x[idx], y[idx])`` for each ``idx`` of ``index_batches``, in order (from files: decoded
+        ahead by the loader workers, if any)."""
+        return images(self.x).batches(self.y, index_batches)
+
+    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x[idx], y[idx])``: one minibatch, at once."""
+        return images(self.x).take(idx), self.y[idx]
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ class ClientUpdate:
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
-        for idx in task.schedule.batches(len(task.data), generator):
-            x, y = augment(task.data.x[idx]), task.data.y[idx]
+        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator)):
+            x = augment(x)
             extra: dict[str, Any] = {}
             if objective.needs_teacher:
                 extra["teacher_logits"] = teacher_logits(model, task.weights, x)

@@ -17,6 +17,8 @@ receiving the averaged one.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from torch.func import functional_call
 
 import fedlt.augment
 import fedlt.losses
-from fedlt.algorithms.base import (LocalSchedule, RunContext, build_objective, client_generator,
+from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, build_objective, client_generator,
                                    raise_first_non_finite)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State, Upload
 from fedlt.models import eval_mode
@@ -112,6 +114,35 @@ def skip(batches, drawn: int) -> None:
         next(batches)
 
 
+class BatchStream:
+    """A session's minibatches, one per ``next``: ``(idx, x, y)`` from the client's stream of
+    index batches (its own generator's order), read through the client data (from files: decoded
+    ahead by the loader workers, which start at the first ``next``). ``skip(n)`` before that
+    passes over the batches a suspended session had drawn, without reading them."""
+
+    def __init__(self, data: ClientData, index_batches: Iterator[torch.Tensor]) -> None:
+        self.data, self.index_batches = data, index_batches
+        self.drawn: collections.deque = collections.deque()  # handed to the reader, not yet returned
+        self.stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _noted(self) -> Iterator[torch.Tensor]:
+        for idx in self.index_batches:
+            self.drawn.append(idx)
+            yield idx
+
+    def skip(self, n: int) -> None:
+        skip(self.index_batches, n)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.stream is None:
+            self.stream = self.data.batches(self._noted())
+        x, y = next(self.stream)
+        return self.drawn.popleft(), x, y
+
+    def close(self) -> None:
+        self.stream = None  # a loader's worker processes end with it
+
+
 class ClientWithHead(nn.Module):
     """SFL-LocalLoss's client side: the client layers plus an auxiliary linear head on the flattened
     activations, trained with the client's local loss; the server sends no gradient back."""
@@ -142,7 +173,8 @@ class ActivationClient:
         self.objective = client_objective(task, {n: start[n] for n in self.replica.params})
         self.teacher = bool(task.payload.get("send_teacher")) or self.objective.needs_teacher
         _, self.weight_terms = split_terms(self.objective)
-        self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
+        self.batches = BatchStream(task.data, task.schedule.batches(
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.pending: torch.Tensor | None = None
         self.pending_idx: torch.Tensor | None = None
@@ -150,9 +182,9 @@ class ActivationClient:
         self.drawn = 0
 
     def forward(self) -> Upload:
-        idx = next(self.batches)
+        idx, x, y = next(self.batches)
         self.drawn += 1
-        x, y = self.augment(self.task.data.x[idx]), self.task.data.y[idx]
+        x = self.augment(x)
         self.pending, self.pending_idx = self.replica(x), idx
         self.pending_x = x if self.augment else None
         teacher = None
@@ -180,19 +212,21 @@ class ActivationClient:
         """Continue a suspended session: the same weights, momentum and batch stream; a pending
         forward is run again on the same batch (same output, BatchNorm statistics not moved twice)."""
         self.replica.load(state["replica"], state["optimiser"])
-        skip(self.batches, state["drawn"])
+        self.batches.skip(state["drawn"])
         self.drawn, self.pending_idx = state["drawn"], state["pending_idx"]
         if state["loss"]:
             self.objective.load_state_dict(state["loss"])
         if self.pending_idx is not None:
             moved = {n: b.clone() for n, b in self.replica.buffers.items()}
             self.pending_x = state.get("pending_x")
-            self.pending = self.replica(self.task.data.x[self.pending_idx] if self.pending_x is None else self.pending_x)
+            self.pending = self.replica(self.task.data.take(self.pending_idx)[0] if self.pending_x is None
+                                        else self.pending_x)
             with torch.no_grad():
                 for n, b in self.replica.buffers.items():
                     b.copy_(moved[n])
 
     def finish(self) -> ClientResult:
+        self.batches.close()
         weights = self.replica.state()
         state = {"client_model": weights} if self.keeps_part else {}  # the replica is discarded; V3 keeps it
         loss_state = side_state(self.objective, weight_space=True)  # the server returns the logit terms' state
@@ -209,15 +243,16 @@ class LocalLossClient:
         self.task = task
         self.replica = Replica(module, task.weights, task.schedule)
         self.objective = client_objective(task, {n: task.weights[n] for n in self.replica.params})
-        self.batches = task.schedule.batches(len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid))
+        self.batches = BatchStream(task.data, task.schedule.batches(
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.losses: list[torch.Tensor] = []
         self.drawn = 0
 
     def forward(self) -> Upload:
-        idx = next(self.batches)
+        _, x, y = next(self.batches)
         self.drawn += 1
-        x, y = self.augment(self.task.data.x[idx]), self.task.data.y[idx]
+        x = self.augment(x)
         activations, aux_logits = self.replica(x)
         extra: dict[str, Any] = {}
         if self.objective.needs_params:
@@ -243,12 +278,13 @@ class LocalLossClient:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.replica.load(state["replica"], state["optimiser"])
-        skip(self.batches, state["drawn"])
+        self.batches.skip(state["drawn"])
         self.drawn, self.losses = state["drawn"], list(state["losses"])
         if state["loss"]:
             self.objective.load_state_dict(state["loss"])
 
     def finish(self) -> ClientResult:
+        self.batches.close()
         losses = torch.stack(self.losses)
         raise_first_non_finite(losses, f"client {self.task.cid}, client loss {self.task.objective!r}", "local iteration")
         state = {"loss": self.objective.state_dict()} if self.objective.state_dict() else {}

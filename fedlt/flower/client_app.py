@@ -34,6 +34,7 @@ from flwr.clientapp import ClientApp
 from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.protocol import SeededSession, run_client
 from fedlt.config import RunConfig
+from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.flower import codec
 
@@ -64,7 +65,7 @@ def client_data(prep, cid: int, context: Context) -> ClientData:
         raise FedltError(f"a task for client {cid} reached the node holding partition {held}")
     device = torch.device(prep.config.device)
     idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long)
-    return ClientData(cid, prep.data.x_train[idx].to(device), prep.data.y_train[idx].to(device),
+    return ClientData(cid, images(prep.data.x_train).subset(idx).to(device), prep.data.y_train[idx].to(device),
                       prep.counts[cid].to(device))
 
 
