@@ -2,9 +2,13 @@
 
     python collect.py --work /tmp/fedvls_repro [--json ../../benchmarks/results/fedvls_repro.json]
 
+The JSON file is updated, not replaced: a run found under WORK replaces the entry of the same name,
+entries of runs no longer under WORK (earlier sessions' /tmp folders) are kept as they were.
+
 A curve file is WORK/authors-<Algo>-<beta>[-<tag>].json or WORK/fedlt-<algo>-<beta>[-<tag>]/curve.json.
-For each: accuracy every 5 rounds, final and best-over-rounds (round) on the 10k test set (``test``)
-and on the union of the clients' training sets (``train∪``, what the authors' code prints on MNIST).
+For each: accuracy every 5 rounds, final and best-over-rounds (round) on the held-out set (``test``:
+the 10k MNIST test set, or the authors' 17 500 held-out images for the ``-authorsdata`` runs) and on
+the union of the clients' training sets (``train∪``, what the authors' code prints on MNIST).
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def main() -> None:
     for name, c in curves.items():
         out[name] = {"side": c["side"], "algo": c["algo"], "partition_sha256": c.get("partition_sha256"),
                      "command": c.get("command"), "partial": c.get("partial", False), "curves": {}}
+        for key in ("harness_command", "data", "dataset", "data_root", "seed", "weight_decay", "wall_time_s"):
+            if c.get(key) is not None:  # what later harness versions record beside the curve
+                out[name][key] = c[key]
         for key, label in (("test_acc", "test"), ("train_union_acc", "train∪")):
             acc = [a for a in c.get(key, []) if a is not None]
             if not acc:
@@ -72,8 +79,10 @@ def main() -> None:
             print(f"{name:<34} {label:<7} {s['final']:6.2f} {s['best']:6.2f} {s['best_round']:3d}  {every5}"
                   + (f"  (partial: {s['rounds']} rounds)" if c.get("partial") else ""))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        earlier = json.loads(args.json.read_text()) if args.json.is_file() else {}
+        kept = [name for name in earlier if name not in out]
+        args.json.write_text(json.dumps({**{name: earlier[name] for name in kept}, **out}, indent=1))
+        print(f"wrote {args.json} ({len(out)} runs from {args.work}, {len(kept)} earlier runs kept)")
 
 
 if __name__ == "__main__":
