@@ -66,7 +66,8 @@ def main() -> None:
     for name, c in curves.items():
         out[name] = {"side": c["side"], "algo": c["algo"], "partition_sha256": c.get("partition_sha256"),
                      "command": c.get("command"), "partial": c.get("partial", False), "curves": {}}
-        for key in ("harness_command", "data", "dataset", "data_root", "seed", "weight_decay", "wall_time_s"):
+        for key in ("harness_command", "data", "dataset", "data_root", "seed", "weight_decay", "fresh_optimiser",
+                    "wall_time_s"):
             if c.get(key) is not None:  # what later harness versions record beside the curve
                 out[name][key] = c[key]
         for key, label in (("test_acc", "test"), ("train_union_acc", "train∪")):

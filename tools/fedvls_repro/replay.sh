@@ -27,9 +27,12 @@ fedlt() {  # fedlt() <algo> <seed> [run_fedlt flags...]
     --out "$work/$name" > "$work/$name.log" 2>&1)
 }
 
+# pairs first (a shared machine may not finish everything): FedVLS on both sides, then FedAvg
 authors FedVLS
+fedlt fedvls "${seeds[0]}"
 authors FedAvg --weight-decay 1e-5  # the paper's FedAvg weight decay; FedVLS's client forces 0
-for seed in "${seeds[@]}"; do
+fedlt fedavg "${seeds[0]}" --weight-decay 1e-5
+for seed in "${seeds[@]:1}"; do
   fedlt fedvls "$seed"
   fedlt fedavg "$seed" --weight-decay 1e-5
 done

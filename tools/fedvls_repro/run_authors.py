@@ -153,6 +153,9 @@ def main() -> None:
                              "FedVLS's client forces 0")
     parser.add_argument("--data", choices=("fedlt", "authors"), default="fedlt",
                         help="fedlt: fedlt's partition (WORK/partition-<beta>.npz); authors: their own split")
+    parser.add_argument("--fresh-optimiser", action="store_true",
+                        help="ablation (FedAvg): a new SGD per client and round, as fedlt and their own FedVLS "
+                             "client do, instead of one per client kept for the whole run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("extra", nargs="*", help="more authors' flags, after --")
     args = parser.parse_args()
@@ -173,6 +176,8 @@ def main() -> None:
     else:
         gm.generate_mnist = authors_loaders(gm, work, record)
 
+    if args.fresh_optimiser:
+        fresh_optimiser_each_round()
     import importlib
     server_module = importlib.import_module(f"flcore.servers.{SERVER_MODULES[args.algo]}")
     server_cls = getattr(server_module, args.algo)
@@ -198,6 +203,21 @@ def main() -> None:
             runpy.run_path(str(system / "main.py"), run_name="__main__")
     finally:  # the curve so far is written even if main.py fails after training (e.g. its report)
         write(args, argv, work, curve, record, started)
+
+
+def fresh_optimiser_each_round() -> None:
+    """Ablation: clientAVG.train starts from a new SGD (same lr, momentum 0.9, weight decay) each
+    round; their client builds one in __init__ and keeps its momentum buffers across rounds."""
+    from flcore.clients.clientavg import clientAVG
+
+    train = clientAVG.train
+
+    def train_fresh(self, *a, **k):
+        self.optimizer = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad],
+                                         lr=self.learning_rate, momentum=0.9, weight_decay=self.weight_decay)
+        return train(self, *a, **k)
+
+    clientAVG.train = train_fresh
 
 
 def authors_loaders(gm, work: Path, record: dict):
@@ -233,6 +253,7 @@ def authors_loaders(gm, work: Path, record: dict):
 
 def write(args, argv, work, curve, record, started) -> None:
     out = {"side": "authors", "algo": args.algo, "beta": args.beta, "data": args.data, "command": " ".join(argv),
+           "fresh_optimiser": args.fresh_optimiser,
            "harness_command": " ".join(sys.orig_argv[1:]),  # sys.argv now holds main.py's
            "commit": authors_commit(work), **curve,
            "client_counts": record.get("client_counts"), "partition_sha256": record.get("partition_sha256"),
