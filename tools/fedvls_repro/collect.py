@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+from fedlt.partitioners import Partition
+
 
 def load(work: Path) -> dict[str, dict]:
     """Finished runs from their curve files; a run still going (or stopped) from what it has
@@ -28,10 +30,12 @@ def load(work: Path) -> dict[str, dict]:
         if done.is_file():
             curves[path.stem] = json.loads(done.read_text())
             continue
+        text = path.read_text()
         rows = [re.search(r"printed acc ([0-9.]+), held-out acc ([0-9.]+)", line)
-                for line in path.read_text().splitlines() if line.startswith("[harness]")]
+                for line in text.splitlines() if line.startswith("[harness]")]
         algo = path.stem.split("-")[1]
-        curves[path.stem] = {"side": "authors", "algo": algo, "partial": True,
+        sha = re.search(r"\[harness\] partition sha256 ([0-9a-f]{64})", text)
+        curves[path.stem] = {"side": "authors", "algo": algo, "partial": True, "partition_sha256": sha and sha[1],
                              "train_union_acc": [float(m[1]) for m in rows if m],
                              "test_acc": [float(m[2]) for m in rows if m]}
     for path in sorted(work.glob("fedlt-*/metrics.jsonl")):
@@ -43,7 +47,10 @@ def load(work: Path) -> dict[str, dict]:
         log = work / f"{path.parent.name}.log"
         text = log.read_text() if log.is_file() else ""
         union = [float(m[1]) for m in re.finditer(r"train-union acc ([0-9.]+)", text)]
+        saved = path.parent / "partition.npz"  # the engine writes the partition it trains on
+        sha = Partition.load(saved).sha256 if saved.is_file() else None
         curves[path.parent.name] = {"side": "fedlt", "algo": path.parent.name.split("-")[1], "partial": True,
+                                    "partition_sha256": sha,
                                     "test_acc": [r["accuracy"] for r in rows if "accuracy" in r],
                                     "train_union_acc": union}
     return curves

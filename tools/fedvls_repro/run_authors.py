@@ -123,6 +123,7 @@ def fedlt_loaders(partition_file: Path, record: dict):
         partition.check_dataset(y_tr.numpy(), "mnist")  # same labels, same order: the indices mean the same
         parts = [np.asarray(p) for p in partition.client_indices]
         record["partition_sha256"] = partition.sha256
+        print(f"[harness] partition sha256 {partition.sha256}", flush=True)  # for a run stopped early
         assert len(parts) == num_clients, (len(parts), num_clients)
         party2loaders_train = {}
         for i, idx in enumerate(parts):
@@ -244,6 +245,7 @@ def authors_loaders(gm, work: Path, record: dict):
         # all 17 500 held-out images, in order (their loader drops the last partial batch at random)
         record["held_out"] = DataLoader(held_out.dataset, batch_size=1000)
         record["partition_sha256"] = recorder.sha256()
+        print(f"[harness] partition sha256 {record['partition_sha256']}", flush=True)  # for a run stopped early
         record["client_counts"] = [np.bincount(labels[recorder.train_positions[p]], minlength=10).tolist()
                                    for p in recorder.client_positions]
         return train, held_out, pooled_train
