@@ -47,10 +47,11 @@ def load(work: Path) -> dict[str, dict]:
         log = work / f"{path.parent.name}.log"
         text = log.read_text() if log.is_file() else ""
         union = [float(m[1]) for m in re.finditer(r"train-union acc ([0-9.]+)", text)]
+        command = re.search(r"^\[harness\] command: (.*)$", text, re.M)
         saved = path.parent / "partition.npz"  # the engine writes the partition it trains on
         sha = Partition.load(saved).sha256 if saved.is_file() else None
         curves[path.parent.name] = {"side": "fedlt", "algo": path.parent.name.split("-")[1], "partial": True,
-                                    "partition_sha256": sha,
+                                    "partition_sha256": sha, "command": command and command[1],
                                     "test_acc": [r["accuracy"] for r in rows if "accuracy" in r],
                                     "train_union_acc": union}
     return curves

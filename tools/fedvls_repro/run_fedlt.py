@@ -58,6 +58,7 @@ def main() -> None:
                         help="drop each epoch's last partial batch, as the authors' DataLoader(drop_last=True)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(f"[harness] command: {' '.join(sys.orig_argv[1:])}", flush=True)  # named even if the run stops early
     params = {"loss": args.loss} if args.loss else {}
     config = RunConfig(
         dataset=args.dataset, data_root=args.data_root, model="mlp", split=None, algorithm=args.algo,
