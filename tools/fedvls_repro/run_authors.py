@@ -8,8 +8,12 @@ accuracy. Nothing here changes how the authors' code trains; this script only
     loaders the same way (same transform, DataLoader(batch 64, drop_last=True, shuffle=True)) from
     fedlt's partition of the 60k MNIST training set, so both sides train on identical client data
     (the 10k MNIST test set stands where the authors' pooled held-out split stood),
+  * with --data authors, keeps their generate_mnist and records the positions behind its draws
+    (export.SplitRecorder: no draw changes), so the curve names the partition's sha256 (equal to
+    the partition file export.py writes) and checks their loaders against the raw MNIST images,
   * wraps the server's compute_accuracy to record every evaluation, and also evaluates the other
-    set (the real held-out set), under torch.random.fork_rng so the training stream is unchanged.
+    set (the real held-out set: all of it, in order), under torch.random.fork_rng so the training
+    stream is unchanged.
 
 main.py unpacks generate_mnist's (client loaders, held-out loader, pooled-train loader) as
 (party2loaders, global_train_dl, test_dl) and the server evaluates ``test_dl``: on MNIST the
@@ -17,11 +21,13 @@ authors' printed "test accuracy" is the accuracy on the union of the clients' TR
 Both are recorded: ``train_union_acc`` (what the authors' code prints) and ``test_acc``.
 
     python run_authors.py --work /tmp/fedvls_repro --algo FedVLS --beta 0.05 --data fedlt --out curve.json
+    python run_authors.py --work /tmp/fedvls_repro --algo FedAvg --weight-decay 1e-5 --data authors --out curve.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -33,18 +39,67 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedlt.errors import FedltError
+
 ALGOS = ("FedAvg", "FedLogitCal", "FedVLS")
 SERVER_MODULES = {"FedAvg": "serveravg", "FedLogitCal": "serverlogitcal", "FedVLS": "servervls"}
 
 
-def authors_command(args: argparse.Namespace) -> list[str]:
-    """The README's FedVLS command adapted to the paper's MNIST setting (no weight decay; CPU)."""
-    cmd = ["-lbs", "64", "-nc", "10", "-jr", "1", "-nb", "10", "-data", "mnist", "-m", "dnn", "-algo", args.algo,
-           "-gr", str(args.rounds), "-dev", "cpu", "-lr", "0.01", "-partition", "noniid", "-al", str(args.beta),
-           "-ls", "5", "-ed", "0", "-dd", str(args.work) + "/"]
-    if args.algo == "FedVLS":
+def authors_command(work: Path, algo: str, alpha: float, *, rounds: int = 50, clients: int = 10,
+                    weight_decay: float = 0.0, extra: list[str] | None = None) -> list[str]:
+    """The README's FedVLS command adapted to the paper's MNIST setting (CPU). ``-ed`` is the
+    weight decay of FedAvg's and FedLogitCal's clients; FedVLS's client forces 0 whatever it says."""
+    cmd = ["-lbs", "64", "-nc", str(clients), "-jr", "1", "-nb", "10", "-data", "mnist", "-m", "dnn", "-algo", algo,
+           "-gr", str(rounds), "-dev", "cpu", "-lr", "0.01", "-partition", "noniid", "-al", f"{alpha:g}",
+           "-ls", "5", "-ed", f"{weight_decay:g}", "-dd", str(work) + "/"]
+    if algo == "FedVLS":
         cmd += ["-lam", "0.1"]
-    return cmd + args.extra
+    return cmd + list(extra or [])
+
+
+def authors_system(work: Path) -> Path:
+    """WORK/authors/system, the patched copy prepare.sh made (FedltError when it is missing)."""
+    system = work / "authors" / "system"
+    if not (system / "main.py").is_file():
+        raise FedltError(f"--work {work}: no authors' code at {system}/main.py; run prepare.sh first")
+    if not (work / "rawdata" / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file():
+        raise FedltError(f"--work {work}: no MNIST idx files under {work}/rawdata/MNIST/raw; run prepare.sh first")
+    return system
+
+
+def authors_commit(work: Path) -> str:
+    return (work / "authors" / "COMMIT").read_text().split()[-1]
+
+
+def prepare_imports(system: Path) -> None:
+    """Make the authors' modules importable offline: their folder on sys.path, three modules they
+    import and never use on MNIST stubbed, torchvision's downloads forbidden."""
+    sys.path.insert(0, str(system))
+    for unused in ("cv2", "h5py"):  # imported by data/meta_dataset.py (PACS) and utils/result_utils.py, unused here
+        sys.modules[unused] = types.ModuleType(unused)
+    calmsize = types.ModuleType("calmsize")
+    # imported by utils/mem_utils.py, whose memory report (after the run) formats it with {:.2f}
+    calmsize.size = lambda n: float(n)
+    sys.modules["calmsize"] = calmsize
+
+    import torchvision
+
+    def no_download(self):
+        if not self._check_exists():
+            raise RuntimeError(f"MNIST idx files missing under {self.raw_folder}; run prepare.sh (no downloads)")
+
+    torchvision.datasets.MNIST.download = no_download
+
+
+@contextlib.contextmanager
+def inside(system: Path):
+    """Run from the authors' folder, as their README does (their results go to ../results/)."""
+    before = Path.cwd()
+    os.chdir(system)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def fedlt_loaders(partition_file: Path, record: dict):
@@ -68,6 +123,7 @@ def fedlt_loaders(partition_file: Path, record: dict):
         partition.check_dataset(y_tr.numpy(), "mnist")  # same labels, same order: the indices mean the same
         parts = [np.asarray(p) for p in partition.client_indices]
         record["partition_sha256"] = partition.sha256
+        print(f"[harness] partition sha256 {partition.sha256}", flush=True)  # for a run stopped early
         assert len(parts) == num_clients, (len(parts), num_clients)
         party2loaders_train = {}
         for i, idx in enumerate(parts):
@@ -93,29 +149,25 @@ def main() -> None:
     parser.add_argument("--algo", choices=ALGOS, required=True)
     parser.add_argument("--beta", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="their -ed: FedAvg's and FedLogitCal's client weight decay (the paper: 1e-5); "
+                             "FedVLS's client forces 0")
     parser.add_argument("--data", choices=("fedlt", "authors"), default="fedlt",
                         help="fedlt: fedlt's partition (WORK/partition-<beta>.npz); authors: their own split")
+    parser.add_argument("--fresh-optimiser", action="store_true",
+                        help="ablation (FedAvg): a new SGD per client and round, as fedlt and their own FedVLS "
+                             "client do, instead of one per client kept for the whole run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("extra", nargs="*", help="more authors' flags, after --")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = args.work.resolve()
-    system = work / "authors" / "system"
-    sys.path.insert(0, str(system))
-    for unused in ("cv2", "h5py"):  # imported by data/meta_dataset.py (PACS) and utils/result_utils.py, unused here
-        sys.modules[unused] = types.ModuleType(unused)
-    calmsize = types.ModuleType("calmsize")
-    # imported by utils/mem_utils.py, whose memory report (after the run) formats it with {:.2f}
-    calmsize.size = lambda n: float(n)
-    sys.modules["calmsize"] = calmsize
-
-    import torchvision
-
-    def no_download(self):
-        if not self._check_exists():
-            raise RuntimeError(f"MNIST idx files missing under {self.raw_folder}; run prepare.sh (no downloads)")
-
-    torchvision.datasets.MNIST.download = no_download
+    try:
+        system = authors_system(work)
+    except FedltError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    prepare_imports(system)
 
     record: dict = {}
     import data.generate_mnist as gm  # noqa: E402  (seeds numpy and random at import, as main.py's import does)
@@ -123,15 +175,10 @@ def main() -> None:
         partition_file = work / f"partition-{args.beta:g}.npz"
         gm.generate_mnist = fedlt_loaders(partition_file, record)
     else:
-        original = gm.generate_mnist
+        gm.generate_mnist = authors_loaders(gm, work, record)
 
-        def generate_and_keep(*a, **k):
-            train, held_out, pooled_train = original(*a, **k)
-            record["held_out"] = held_out
-            return train, held_out, pooled_train
-
-        gm.generate_mnist = generate_and_keep
-
+    if args.fresh_optimiser:
+        fresh_optimiser_each_round()
     import importlib
     server_module = importlib.import_module(f"flcore.servers.{SERVER_MODULES[args.algo]}")
     server_cls = getattr(server_module, args.algo)
@@ -148,19 +195,69 @@ def main() -> None:
         return acc, loss
 
     server_cls.compute_accuracy = compute_accuracy
-    argv = ["main.py", *authors_command(args)]
+    argv = ["main.py", *authors_command(work, args.algo, args.beta, rounds=args.rounds,
+                                       weight_decay=args.weight_decay, extra=args.extra)]
     sys.argv = argv
     started = time.perf_counter()
-    os.chdir(system)
     try:
-        runpy.run_path(str(system / "main.py"), run_name="__main__")
+        with inside(system):
+            runpy.run_path(str(system / "main.py"), run_name="__main__")
     finally:  # the curve so far is written even if main.py fails after training (e.g. its report)
         write(args, argv, work, curve, record, started)
 
 
+def fresh_optimiser_each_round() -> None:
+    """Ablation: clientAVG.train starts from a new SGD (same lr, momentum 0.9, weight decay) each
+    round; their client builds one in __init__ and keeps its momentum buffers across rounds."""
+    from flcore.clients.clientavg import clientAVG
+
+    train = clientAVG.train
+
+    def train_fresh(self, *a, **k):
+        self.optimizer = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad],
+                                         lr=self.learning_rate, momentum=0.9, weight_decay=self.weight_decay)
+        return train(self, *a, **k)
+
+    clientAVG.train = train_fresh
+
+
+def authors_loaders(gm, work: Path, record: dict):
+    """Their own generate_mnist, unchanged in every draw, with the positions behind its split
+    recorded (export.SplitRecorder) so the curve names the partition's sha256 — the same as
+    export.py's partition file — and checked against the raw MNIST images like export.py does."""
+    from torch.utils.data import DataLoader
+
+    from export import SplitRecorder, check_loaders
+
+    recorder = SplitRecorder()
+    recorder.install(gm)
+    original = gm.generate_mnist
+
+    def generate_and_keep(*a, **k):
+        import torchvision
+
+        train, held_out, pooled_train = original(*a, **k)
+        sets = [torchvision.datasets.MNIST(root=str(work / "rawdata"), train=t, download=False) for t in (True, False)]
+        pooled = np.concatenate([s.data.numpy() for s in sets])
+        labels = np.concatenate([s.targets.numpy() for s in sets]).astype(np.int64)
+        check_loaders(recorder, train, held_out, pooled, labels)
+        recorder.pooled = None  # 220 MB the run does not need
+        # all 17 500 held-out images, in order (their loader drops the last partial batch at random)
+        record["held_out"] = DataLoader(held_out.dataset, batch_size=1000)
+        record["partition_sha256"] = recorder.sha256()
+        print(f"[harness] partition sha256 {record['partition_sha256']}", flush=True)  # for a run stopped early
+        record["client_counts"] = [np.bincount(labels[recorder.train_positions[p]], minlength=10).tolist()
+                                   for p in recorder.client_positions]
+        return train, held_out, pooled_train
+
+    return generate_and_keep
+
+
 def write(args, argv, work, curve, record, started) -> None:
     out = {"side": "authors", "algo": args.algo, "beta": args.beta, "data": args.data, "command": " ".join(argv),
-           "commit": (work / "authors" / "COMMIT").read_text().split()[-1], **curve,
+           "fresh_optimiser": args.fresh_optimiser,
+           "harness_command": " ".join(sys.orig_argv[1:]),  # sys.argv now holds main.py's
+           "commit": authors_commit(work), **curve,
            "client_counts": record.get("client_counts"), "partition_sha256": record.get("partition_sha256"),
            "wall_time_s": round(time.perf_counter() - started, 1)}
     args.out.write_text(json.dumps(out))
