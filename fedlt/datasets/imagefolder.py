@@ -370,6 +370,8 @@ class FileImages:
             idle = self.files.kept.setdefault(key, [])
             if idle:
                 return idle.pop()
+        from fedlt.parallel import _context
+
         feed = _Feed()
         with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
             warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
@@ -380,6 +382,10 @@ class FileImages:
                 _Decoder(replace(self.files, kept={}), self.mean, self.std, self.transforms), batch_sampler=feed,
                 num_workers=self.workers, collate_fn=_as_is, pin_memory=self.device.type == "cuda",
                 persistent_workers=True,
+                # started by fedlt.parallel's fork server, never forked from this process: a loader may
+                # start inside the evaluation thread, and a fork of a process whose other threads hold
+                # locks can hang its child (seen with --workers: the overlapped evaluation's loader)
+                multiprocessing_context=_context(),
                 generator=torch.Generator().manual_seed(0))  # a seed draw from torch's would shift the client's stream
         return loader, feed
 
