@@ -435,3 +435,33 @@ def test_bad_references_and_sorts_are_one_line_naming_the_file_and_what_is_allow
     bad.unlink()
     assert cli(*study_args) == 2
     assert f"--reference {bad} cannot be read" in capsys.readouterr().err
+
+
+def test_the_benchmark_studies_expand_and_their_reference_values_land_on_their_rows(tmp_path):
+    """benchmarks/studies/*.yaml resolve to valid runs (nothing trains), and each study's
+    <name>_reference.csv names only cells of its grid, its values on the right rows."""
+    from fedlt.sweep.study import load_study as load_study_file
+
+    published = {}
+    for path in sorted((ROOT / "benchmarks" / "studies").glob("*.yaml")):
+        study, _ = load_study_file(path)
+        out = tmp_path / path.stem
+        write_manifest(out, plan(study, out))  # every run's RunConfig validated
+        reference = path.with_name(f"{path.stem}_reference.csv")
+        if not reference.exists():
+            continue
+        manifest, cells, _ = load_study(out)
+        table = json.loads(render_study(manifest, cells, "json", metrics=["final_accuracy"], reference=reference))
+        published |= {(path.stem, e["cell"]["algorithm"], e["cell"]["partition"]): (e["reference"] or {}).get(
+            "paper (best of 50)") for e in table["cells"]}
+    # the FedVLS paper's Table 1 (MNIST), as docs/benchmarks.md quotes it
+    assert published == {
+        ("paper_mnist", "fedavg", "dirichlet(beta=0.05)"): "94.77 ± 0.44",
+        ("paper_mnist", "fedlc", "dirichlet(beta=0.05)"): "85.56 ± 0.18",
+        ("paper_mnist", "fedvls", "dirichlet(beta=0.05)"): "95.56 ± 0.12",
+        ("paper_mnist", "fedgrab", "dirichlet(beta=0.05)"): None,
+        ("fedvls_beta", "fedavg", "dirichlet(beta=0.1)"): "96.69 ± 0.00",
+        ("fedvls_beta", "fedavg", "dirichlet(beta=0.5)"): "98.96 ± 0.00",
+        ("fedvls_beta", "fedvls", "dirichlet(beta=0.1)"): "97.24 ± 0.00",
+        ("fedvls_beta", "fedvls", "dirichlet(beta=0.5)"): "99.23 ± 0.00",
+    }
