@@ -348,21 +348,29 @@ def is_study(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def load_study(path: str | Path) -> tuple[dict[str, Any], list[Cell], list[str]]:
+def load_study(path: str | Path, seeds: list[int] | None = None) -> tuple[dict[str, Any], list[Cell], list[str]]:
     """A study directory's manifest, its cells in grid order, and one line per run directory that
-    could not be read (damaged: left out of its cell)."""
+    could not be read (damaged: left out of its cell). ``seeds``: only these seeds' runs (e.g. the
+    seeds every cell has finished, while a further seed is still running)."""
     from fedlt.sweep.study import read_manifest, status_on_disk
 
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is None:
         raise FedltError(f"{path} is not a study directory (no study.json)")
+    if seeds is not None:
+        known = sorted({entry["seed"] for entry in manifest["runs"]})
+        unknown = [s for s in seeds if s not in known]
+        if unknown:
+            raise FedltError(f"--seeds {unknown[0]}: the study {path} has seeds {', '.join(map(str, known))}")
     cells: dict[str, Cell] = {}
     problems = []
     for entry in manifest["runs"]:
         label = dict(entry["label"])
         key = json.dumps(label, sort_keys=True)
         cell = cells.setdefault(key, Cell(label, [], [], {}, []))
+        if seeds is not None and entry["seed"] not in seeds:
+            continue  # the cell stays (its row), without this run
         run_dir = path / entry["dir"]
         if status_on_disk(run_dir) == "done":
             try:
