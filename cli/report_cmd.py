@@ -29,6 +29,13 @@ def report(
                                                "final and best accuracy, balanced, many/medium/few)"),
     fmt: str = typer.Option("markdown", "--format", help="study: markdown, csv, latex or json"),
     output: Optional[Path] = typer.Option(None, "--output", help="study: write the table to this file too"),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="study: a CSV of published values to print "
+                                             "beside the rows (columns named after --rows axes are the keys, the "
+                                             "others are copied; '#' lines are comments)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="study: only these seeds' runs, e.g. 0,1 (the seeds "
+                                        "every cell finished while another seed is still running)"),
+    sort: Optional[str] = typer.Option(None, "--sort", help="study: order the rows by this --metric's mean, highest "
+                                       "first (a table without --cols)"),
 ) -> None:
     """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time; or
     aggregate a study over its seeds: mean ± std (n) per cell, laid out with --rows / --cols.
@@ -47,20 +54,23 @@ def report(
             raise FedltError("report one study directory at a time (or run directories only)")
         if output is not None:
             check_file(output, "--output")
-        _study(studies[0], plot, rows, cols, metric, fmt, output)
+        _study(studies[0], plot, rows, cols, metric, fmt, output, reference, sort, seeds)
         return
-    if rows or cols or metric or output is not None or fmt != "markdown":
-        raise FedltError("--rows, --cols, --metric, --format and --output apply to a study directory "
-                         "(written by fedlt sweep)")
+    if (rows or cols or metric or output is not None or fmt != "markdown" or reference is not None or sort
+            or seeds is not None):
+        raise FedltError("--rows, --cols, --metric, --format, --output, --reference, --seeds and --sort apply to a "
+                         "study directory (written by fedlt sweep)")
     _runs(runs, plot)
 
 
-def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, output: Optional[Path]) -> None:
+def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, output: Optional[Path],
+           reference: Optional[Path], sort: Optional[str], seeds: Optional[str]) -> None:
     from fedlt import io
+    from fedlt.cli.sweep_cmd import parse_seeds
     from fedlt.report import load_study, plot_study, render_study
 
-    manifest, cells, problems = load_study(path)
-    text = render_study(manifest, cells, fmt, metrics=metric, rows=rows, cols=cols)
+    manifest, cells, problems = load_study(path, parse_seeds(seeds) if seeds is not None else None)
+    text = render_study(manifest, cells, fmt, metrics=metric, rows=rows, cols=cols, reference=reference, sort=sort)
     typer.echo(text, nl=False)
     if output is not None:
         io._atomic(output, lambda f: f.write(text.encode()))

@@ -348,21 +348,29 @@ def is_study(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def load_study(path: str | Path) -> tuple[dict[str, Any], list[Cell], list[str]]:
+def load_study(path: str | Path, seeds: list[int] | None = None) -> tuple[dict[str, Any], list[Cell], list[str]]:
     """A study directory's manifest, its cells in grid order, and one line per run directory that
-    could not be read (damaged: left out of its cell)."""
+    could not be read (damaged: left out of its cell). ``seeds``: only these seeds' runs (e.g. the
+    seeds every cell has finished, while a further seed is still running)."""
     from fedlt.sweep.study import read_manifest, status_on_disk
 
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is None:
         raise FedltError(f"{path} is not a study directory (no study.json)")
+    if seeds is not None:
+        known = sorted({entry["seed"] for entry in manifest["runs"]})
+        unknown = [s for s in seeds if s not in known]
+        if unknown:
+            raise FedltError(f"--seeds {unknown[0]}: the study {path} has seeds {', '.join(map(str, known))}")
     cells: dict[str, Cell] = {}
     problems = []
     for entry in manifest["runs"]:
         label = dict(entry["label"])
         key = json.dumps(label, sort_keys=True)
         cell = cells.setdefault(key, Cell(label, [], [], {}, []))
+        if seeds is not None and entry["seed"] not in seeds:
+            continue  # the cell stays (its row), without this run
         run_dir = path / entry["dir"]
         if status_on_disk(run_dir) == "done":
             try:
@@ -378,11 +386,29 @@ def load_study(path: str | Path) -> tuple[dict[str, Any], list[Cell], list[str]]
     return manifest, list(cells.values()), problems
 
 
+def _wall_time(run: Run) -> float | None:
+    wall = run.summary.get("wall_time_s") if run.summary else None
+    return float(wall) if _is_number(wall) else None
+
+
+# metrics of a whole run rather than of a metrics column; looked up before the best_/final_ prefixes
+# (``best_round`` is not the maximum of the ``round`` column)
+RUN_METRICS = {
+    "best_round": lambda run: float(run.best["round"]),  # the round of the best top-1 accuracy, earliest on ties
+    "wall_time_s": _wall_time,  # summary.json: the rounds' training and evaluation time, summed over resumes
+}
+# decimals shown per metric (accuracies: 2, in %)
+DECIMALS = {"best_round": 1, "wall_time_s": 1}
+
+
 def metric_value(run: Run, metric: str) -> float | None:
     """A run's value of ``metric``: ``final_accuracy`` / ``best_accuracy``; ``final_<column>`` (the
     last evaluated round's), ``best_<column>`` (its maximum over evaluated rounds) or a bare
     ``<column>`` (= final) of any numeric metrics column, e.g. ``balanced_accuracy``,
-    ``few_accuracy``, ``loss``, ``tau_norm_accuracy``."""
+    ``few_accuracy``, ``loss``, ``tau_norm_accuracy``; or one of ``RUN_METRICS``: ``best_round``
+    (the round of the best accuracy) and ``wall_time_s`` (the run's time, from summary.json)."""
+    if metric in RUN_METRICS:
+        return RUN_METRICS[metric](run)
     if metric.startswith("best_"):
         column = metric.removeprefix("best_")
         values = [r[column] for r in run.metrics if _is_number(r.get(column))]
@@ -401,9 +427,10 @@ def check_metrics(cells: list[Cell], metrics: list[str]) -> None:
         return  # nothing finished yet: every cell reads '–'
     for metric in metrics:
         column = metric.removeprefix("best_").removeprefix("final_")
-        if column not in known:
+        if metric not in RUN_METRICS and column not in known:
             raise FedltError(f"--metric {metric}: no run has a {column!r} column (columns: "
-                             f"{', '.join(sorted(known - {'round'}))}; prefix best_ or final_)")
+                             f"{', '.join(sorted(known - {'round'}))}; prefix best_ or final_; or "
+                             f"{', '.join(RUN_METRICS)})")
 
 
 def aggregate(cells: list[Cell], metrics: list[str]) -> list[dict[str, Any]]:
@@ -441,9 +468,10 @@ def format_stat(metric: str, stat: dict[str, Any], entry: dict[str, Any], latex:
     if stat["mean"] is None:
         return "failed" if entry["failed"] else ("--" if latex else "–")
     pm = r" \pm " if latex else " ± "
-    text = f"{_scaled(metric, stat['mean']):.2f}"
+    digits = DECIMALS.get(metric, 2)
+    text = f"{_scaled(metric, stat['mean']):.{digits}f}"
     if stat["std"] is not None:
-        text += f"{pm}{_scaled(metric, stat['std']):.2f}"
+        text += f"{pm}{_scaled(metric, stat['std']):.{digits}f}"
     if latex:
         text = f"${text}$"
     if notes:
@@ -470,25 +498,111 @@ def layout(manifest: dict[str, Any], rows_axes: list[str] | None,
     return rows, cols
 
 
+@dataclass(frozen=True)
+class Reference:
+    """Values published elsewhere (a paper's table), printed beside a study's rows: ``--reference
+    FILE.csv``. The CSV's columns named after axes of the study are the keys; the others are
+    copied as they are written into extra columns of the rows whose cells match the keys (a row
+    with no reference line shows ``–``). Lines starting with ``#`` are comments (cite the source)."""
+
+    path: Path
+    keys: list[str]  # axes, as the study names them
+    columns: list[str]  # the values' headers
+    lines: dict[tuple[str, ...], list[str]]  # key values -> the values, in ``columns`` order
+
+    def values(self, label: dict[str, str]) -> list[str] | None:
+        return self.lines.get(tuple(label.get(axis, "") for axis in self.keys))
+
+
+def read_reference(path: str | Path, axes: list[str]) -> Reference:
+    """A reference CSV (``Reference``) for a study with ``axes``; a one-line FedltError naming the
+    file, the line and what is allowed when it is unreadable or malformed."""
+    import csv
+
+    path = Path(path)
+    where = f"--reference {path}"
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise FedltError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise FedltError(f"{where} cannot be read ({exc.strerror or exc})") from None
+    parsed = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        try:  # line by line, so an error names its line (a value cannot span lines)
+            row = next(csv.reader([line], strict=True))
+        except csv.Error as exc:
+            raise FedltError(f"{where} line {number}: not CSV ({exc})") from None
+        parsed.append((number, [field.strip() for field in row]))
+    if not parsed:
+        raise FedltError(f"{where} is empty: expected a header line such as 'algorithm,paper %' and one line per row")
+    header = parsed[0][1]
+    if len(set(header)) != len(header) or not all(header):
+        raise FedltError(f"{where}: the header {','.join(header)!r} has an empty or repeated column name")
+    keys = [h for h in header if h in axes]
+    columns = [h for h in header if h not in axes]
+    if not keys or not columns:
+        raise FedltError(f"{where}: the header needs at least one column named after an axis of the study "
+                         f"({', '.join(axes) or 'none'}) and one value column, got {','.join(header)!r}")
+    lines: dict[tuple[str, ...], list[str]] = {}
+    for number, row in parsed[1:]:
+        if len(row) != len(header):
+            raise FedltError(f"{where} line {number}: {len(row)} fields, the header has {len(header)}")
+        record = dict(zip(header, row))
+        key = tuple(record[k] for k in keys)
+        if key in lines:
+            raise FedltError(f"{where} line {number}: {', '.join(f'{k}={v}' for k, v in zip(keys, key))} "
+                             "is given twice")
+        lines[key] = [record[c] for c in columns]
+    return Reference(path, keys, columns, lines)
+
+
+def _check_reference(reference: Reference, aggregated: list[dict[str, Any]], rows: list[str],
+                     cols: list[str]) -> None:
+    """Every key is a row axis and every reference line names a row of the table."""
+    across = [k for k in reference.keys if k in cols]
+    if across:
+        raise FedltError(f"--reference {reference.path}: column {across[0]!r} is a --cols axis; key the reference "
+                         f"by --rows axes ({', '.join(rows)})")
+    present = {tuple(e["cell"].get(k, "") for k in reference.keys) for e in aggregated}
+    for key in reference.lines:
+        if key not in present:
+            allowed = "; ".join(f"{k}: {', '.join(sorted({e['cell'].get(k, '') for e in aggregated}))}"
+                                for k in reference.keys)
+            raise FedltError(f"--reference {reference.path}: {', '.join(f'{k}={v}' for k, v in zip(reference.keys, key))}"
+                             f" matches no row of the table (values: {allowed})")
+
+
 def study_table(aggregated: list[dict[str, Any]], metrics: list[str], rows: list[str], cols: list[str],
-                latex: bool = False) -> tuple[list[str], list[list[str]]]:
+                latex: bool = False, reference: Reference | None = None) -> tuple[list[str], list[list[str]]]:
     """Header and body of the table: one line per row key; without ``cols`` one column per
-    metric, with ``cols`` one column per column key holding the first metric."""
+    metric, with ``cols`` one column per column key holding the first metric; then the
+    reference's columns."""
     def key(entry: dict, axes: list[str]) -> tuple[str, ...]:
         return tuple(entry["cell"].get(a, "–") for a in axes)
 
+    def published(row_key: tuple[str, ...]) -> list[str]:
+        if reference is None:
+            return []
+        values = reference.values(dict(zip(rows, row_key)))
+        missing = "--" if latex else "–"
+        return [v or missing for v in values] if values is not None else [missing] * len(reference.columns)
+
+    extra = reference.columns if reference is not None else []
     if not cols:
-        header = rows + ["n"] + list(metrics)
+        header = rows + ["n"] + list(metrics) + extra
         body = [list(key(e, rows)) + [str(e["n"])] + [format_stat(m, e["metrics"][m], e, latex) for m in metrics]
-                for e in aggregated]
+                + published(key(e, rows)) for e in aggregated]
         return header, body
     metric = metrics[0]
     row_keys = list(dict.fromkeys(key(e, rows) for e in aggregated))
     col_keys = list(dict.fromkeys(key(e, cols) for e in aggregated))
     table_cells = {(key(e, rows), key(e, cols)): format_stat(metric, e["metrics"][metric], e, latex)
                    for e in aggregated}
-    header = rows + [", ".join(c) for c in col_keys]
-    body = [list(r) + [table_cells.get((r, c), "") for c in col_keys] for r in row_keys]
+    header = rows + [", ".join(c) for c in col_keys] + extra
+    body = [list(r) + [table_cells.get((r, c), "") for c in col_keys] + published(r) for r in row_keys]
     return header, body
 
 
@@ -498,11 +612,23 @@ def _latex_escape(text: str) -> str:
     return "".join(special.get(char, char) for char in text)
 
 
+def _sorted(aggregated: list[dict[str, Any]], sort: str, metrics: list[str], cols: list[str]) -> list[dict[str, Any]]:
+    """The cells by their mean of ``sort``, highest first (cells without a value last, in grid order)."""
+    if sort not in metrics:
+        raise FedltError(f"--sort {sort}: not one of the table's metrics ({', '.join(metrics)})")
+    if cols:
+        raise FedltError("--sort orders the rows of a table without --cols")
+    return sorted(aggregated, key=lambda e: (e["metrics"][sort]["mean"] is None, -(e["metrics"][sort]["mean"] or 0)))
+
+
 def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdown", *,
                  metrics: list[str] | None = None, rows: list[str] | None = None,
-                 cols: list[str] | None = None) -> str:
+                 cols: list[str] | None = None, reference: str | Path | None = None,
+                 sort: str | None = None) -> str:
     """The study's table as text: ``markdown``, ``csv``, ``latex`` or ``json`` (every cell and
-    metric with its values per seed, whatever the layout)."""
+    metric with its values per seed, whatever the layout, and the study's definition).
+    ``reference``: a CSV of published values merged per row (``Reference``); ``sort``: a metric
+    whose mean orders the rows, highest first."""
     import csv
     import io as text_io
 
@@ -513,34 +639,50 @@ def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdo
     metrics = list(metrics or STUDY_METRICS)
     row_axes, col_axes = layout(manifest, rows, cols)
     aggregated = aggregate(cells, metrics)
+    if sort is not None:
+        aggregated = _sorted(aggregated, sort, metrics, col_axes)
+    published = None
+    if reference is not None:
+        published = read_reference(reference, row_axes + col_axes)
+        _check_reference(published, aggregated, row_axes, col_axes)
     if fmt == "json":
-        return json.dumps({"metrics": metrics, "cells": aggregated}, indent=2)
+        for e in aggregated:
+            if published is not None:
+                values = published.values(e["cell"])
+                e["reference"] = dict(zip(published.columns, values)) if values is not None else None
+        return json.dumps({"study": manifest["study"], "metrics": metrics, "cells": aggregated}, indent=2)
     if fmt == "csv":
         buffer = text_io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
+        extra = published.columns if published is not None else []
+
+        def ref_values(label: dict[str, str]) -> list[str]:
+            values = published.values(label) if published is not None else None
+            return values if values is not None else [""] * len(extra)
+
         if not col_axes:
             writer.writerow(row_axes + ["n", "failed", "unfinished"]
-                            + [f"{m}_{s}" for m in metrics for s in ("mean", "std")])
+                            + [f"{m}_{s}" for m in metrics for s in ("mean", "std")] + extra)
             for e in aggregated:
                 writer.writerow([e["cell"].get(a, "") for a in row_axes] + [e["n"], len(e["failed"]), e["unfinished"]]
                                 + [e["metrics"][m][s] if e["metrics"][m][s] is not None else ""
-                                   for m in metrics for s in ("mean", "std")])
+                                   for m in metrics for s in ("mean", "std")] + ref_values(e["cell"]))
         else:
             metric = metrics[0]
             col_keys = list(dict.fromkeys(tuple(e["cell"].get(a, "") for a in col_axes) for e in aggregated))
             row_keys = list(dict.fromkeys(tuple(e["cell"].get(a, "") for a in row_axes) for e in aggregated))
             by = {(tuple(e["cell"].get(a, "") for a in row_axes), tuple(e["cell"].get(a, "") for a in col_axes)): e
                   for e in aggregated}
-            writer.writerow(row_axes + [f"{', '.join(c)} {s}" for c in col_keys for s in ("mean", "std", "n")])
+            writer.writerow(row_axes + [f"{', '.join(c)} {s}" for c in col_keys for s in ("mean", "std", "n")] + extra)
             for r in row_keys:
                 line = list(r)
                 for c in col_keys:
                     stat = by[(r, c)]["metrics"][metric] if (r, c) in by else {"mean": None, "std": None, "n": 0}
                     line += ["" if stat[s] is None else stat[s] for s in ("mean", "std", "n")]
-                writer.writerow(line)
+                writer.writerow(line + ref_values(dict(zip(row_axes, r))))
         return buffer.getvalue()
     latex = fmt == "latex"
-    header, body = study_table(aggregated, metrics, row_axes, col_axes, latex)
+    header, body = study_table(aggregated, metrics, row_axes, col_axes, latex, published)
     if latex:
         lines = ["% fedlt report: mean \\pm sample std over seeds" + (f" of {metrics[0]}" if col_axes else "")
                  + "; needs \\usepackage{booktabs}",
@@ -549,8 +691,10 @@ def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdo
         lines += [" & ".join(c if c.startswith("$") else _latex_escape(c) for c in row) + " \\\\" for row in body]
         return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
     note = f"mean ± sample std over seeds{' of ' + metrics[0] if col_axes else ''}; accuracies in %"
+    if published is not None:
+        note += f"; {', '.join(published.columns)} from {published.path.name}"
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
     failures = [f"- {rid}: {error}" for e in aggregated for rid, error in e["failed"].items()]
     tail = ["", "Failed runs:", *failures] if failures else []
     return "\n".join([f"<!-- {note} -->", *lines, *tail]) + "\n"

@@ -300,3 +300,176 @@ def test_a_failing_tracker_is_dropped_with_a_warning_and_the_run_goes_on(tmp_pat
     assert outcome.warnings == ["tracking with flaky stopped: ConnectionError: store unreachable"]
     assert seen == [("start", "r", 0), ("round", 1)]  # dropped after its failure: no round 2, no finish
     assert (tmp_path / "r" / "summary.json").is_file()
+
+
+# -- the report's run-level metrics, published values and order (docs/sweeps.md) -------------------
+def _fake_study(tmp_path: Path, runs: dict[tuple[str, str, int], tuple[list[float], float]]) -> Path:
+    """A study directory of 2 algorithms × 2 partitions × 2 seeds whose finished runs are written
+    by hand: (algorithm, partition, seed) -> (accuracy per evaluated round, wall time); every
+    other run is unfinished."""
+    out = tmp_path / "s"
+    manifest = plan(Study(dict(TINY), {"algorithm": ["fedavg", "fedlc"], "partition": ["iid", "dirichlet(beta=0.5)"]},
+                          seeds=[0, 1]), out)
+    write_manifest(out, manifest)
+    for entry in manifest["runs"]:
+        key = (entry["label"]["algorithm"], entry["label"]["partition"], entry["seed"])
+        if key not in runs:
+            continue
+        curve, wall = runs[key]
+        run_dir = out / entry["dir"]
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps({"algorithm": key[0], "rounds": 2 * len(curve)}))
+        # evaluated every other round: a round number is not a row index
+        (run_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"round": 2 * (i + 1), "accuracy": a, "balanced_accuracy": a / 2}) + "\n"
+            for i, a in enumerate(curve)))
+        (run_dir / "summary.json").write_text(json.dumps({"rounds": 2 * len(curve), "wall_time_s": wall}))
+    return out
+
+
+curve = st.lists(st.sampled_from([0.1, 0.25, 0.5, 0.75, 0.9]), min_size=1, max_size=6)  # few values: ties
+
+
+@settings(max_examples=40, deadline=None)
+@given(curve, curve, st.floats(0, 1e4), st.floats(0, 1e4))
+def test_best_round_is_the_earliest_round_of_the_best_accuracy_and_wall_time_comes_from_the_summary(
+        tmp_path_factory, first, second, wall0, wall1):
+    out = _fake_study(tmp_path_factory.mktemp("s"), {("fedavg", "iid", 0): (first, wall0),
+                                                     ("fedavg", "iid", 1): (second, wall1)})
+    manifest, cells, problems = load_study(out)
+    assert not problems
+    table = json.loads(render_study(manifest, cells, "json", metrics=["best_round", "wall_time_s", "best_accuracy"]))
+    entry = next(e for e in table["cells"] if e["cell"] == {"algorithm": "fedavg", "partition": "iid"})
+    best_rounds = [2 * (c.index(max(c)) + 1) for c in (first, second)]  # list.index: the first maximum
+    for metric, values in (("best_round", best_rounds), ("wall_time_s", [wall0, wall1])):
+        stat = entry["metrics"][metric]
+        assert stat["values"] == {"0": values[0], "1": values[1]}
+        assert stat["mean"] == pytest.approx(statistics.fmean(values), abs=1e-9)
+        assert stat["std"] == pytest.approx(statistics.stdev(values), abs=1e-9)
+    assert table["study"]["seeds"] == [0, 1] and table["study"]["axes"]["algorithm"] == ["fedavg", "fedlc"]
+    # neither is scaled as an accuracy: rounds and seconds with one decimal
+    text = render_study(manifest, cells, metrics=["best_round", "wall_time_s"], rows=["algorithm", "partition"])
+    mean, std = statistics.fmean(best_rounds), statistics.stdev(best_rounds)
+    assert f"| fedavg | iid | 2 | {mean:.1f} ± {std:.1f} |" in text
+
+
+REFERENCE = """# a paper's Table 2 (best of 50 rounds)
+algorithm, paper %,note
+fedavg,94.77,
+fedlc,85.56,"tau 0.1, not 0.5"
+"""
+
+
+def test_reference_values_join_their_rows_in_every_format_and_sort_orders_by_a_mean(tmp_path, capsys):
+    out = _fake_study(tmp_path, {("fedavg", "iid", 0): ([0.5, 0.8], 10.0), ("fedavg", "iid", 1): ([0.6, 0.7], 12.0),
+                                 ("fedlc", "iid", 0): ([0.9, 0.95], 11.0),
+                                 ("fedavg", "dirichlet(beta=0.5)", 0): ([0.2], 9.0)})
+    reference = tmp_path / "paper.csv"
+    reference.write_text(REFERENCE)
+    args = ["report", str(out), "--rows", "algorithm", "--rows", "partition", "--metric", "final_accuracy",
+            "--reference", str(reference)]
+    assert cli(*args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "| algorithm | partition | n | final_accuracy | paper % | note |"
+    assert "| fedavg | iid | 2 | 75.00 ± 7.07 | 94.77 | – |" in lines  # an empty reference value reads '–'
+    assert "| fedlc | iid | 1 | 95.00 (n=1, 1 unfinished) | 85.56 | tau 0.1, not 0.5 |" in lines
+    assert "| fedlc | dirichlet(beta=0.5) | 0 | – | 85.56 | tau 0.1, not 0.5 |" in lines  # keyed by algorithm only
+    # --sort: highest mean first, a cell with no finished run last
+    assert cli(*args, "--sort", "final_accuracy") == 0
+    order = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines()[3:]]
+    assert order == [["| fedlc", "iid"], ["| fedavg", "iid"], ["| fedavg", "dirichlet(beta=0.5)"],
+                     ["| fedlc", "dirichlet(beta=0.5)"]]
+    # --seeds 0: seed 1's runs leave the table (a cell with only an unfinished seed 1 is no longer marked)
+    assert cli(*args, "--seeds", "0") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| fedavg | iid | 1 | 80.00 | 94.77 | – |" in lines
+    assert "| fedlc | iid | 1 | 95.00 | 85.56 | tau 0.1, not 0.5 |" in lines
+    assert "| fedlc | dirichlet(beta=0.5) | 0 | – | 85.56 | tau 0.1, not 0.5 |" in lines
+    # with --cols the reference still goes by row
+    assert cli("report", str(out), "--rows", "algorithm", "--cols", "partition", "--metric", "final_accuracy",
+               "--reference", str(reference)) == 0
+    text = capsys.readouterr().out
+    assert "| algorithm | iid | dirichlet(beta=0.5) | paper % | note |" in text
+    assert "| fedavg | 75.00 ± 7.07 | 20.00 (n=1, 1 unfinished) | 94.77 | – |" in text
+    # CSV and LaTeX carry the same values; JSON names them per cell
+    manifest, cells, _ = load_study(out)
+    csv_text = render_study(manifest, cells, "csv", metrics=["final_accuracy"], rows=["algorithm", "partition"],
+                            reference=reference)
+    assert csv_text.splitlines()[0].endswith("final_accuracy_mean,final_accuracy_std,paper %,note")
+    assert csv_text.splitlines()[3] == 'fedlc,iid,1,0,1,0.95,,85.56,"tau 0.1, not 0.5"'
+    latex = render_study(manifest, cells, "latex", metrics=["final_accuracy"], rows=["algorithm", "partition"],
+                         reference=reference)
+    assert r"algorithm & partition & n & final\_accuracy & paper \% & note \\" in latex
+    table = json.loads(render_study(manifest, cells, "json", metrics=["final_accuracy"],
+                                    rows=["algorithm", "partition"], reference=reference))
+    by_cell = {(e["cell"]["algorithm"], e["cell"]["partition"]): e["reference"] for e in table["cells"]}
+    assert by_cell[("fedavg", "iid")] == {"paper %": "94.77", "note": ""}
+    assert by_cell[("fedlc", "dirichlet(beta=0.5)")] == {"paper %": "85.56", "note": "tau 0.1, not 0.5"}
+
+
+def test_bad_references_and_sorts_are_one_line_naming_the_file_and_what_is_allowed(tmp_path, capsys):
+    out = _fake_study(tmp_path, {("fedavg", "iid", 0): ([0.5], 1.0)})
+    bad = tmp_path / "ref.csv"
+    study_args = ["report", str(out), "--rows", "algorithm", "--rows", "partition", "--reference", str(bad)]
+    cases = [
+        ("algorithm,paper\nfedprox,90\n", study_args, "algorithm=fedprox matches no row of the table (values: "
+                                                      "algorithm: fedavg, fedlc)"),
+        ("algorithm,paper\nfedavg,90\nfedavg,91\n", study_args, "line 3: algorithm=fedavg is given twice"),
+        ("algorithm,paper\nfedavg,90,1\n", study_args, "line 2: 3 fields, the header has 2"),
+        ("paper,source\n90,x\n", study_args, "one column named after an axis of the study (algorithm, partition)"),
+        ("algorithm,partition\nfedavg,iid\n", study_args, "and one value column"),
+        ("algorithm,paper,paper\n", study_args, "an empty or repeated column name"),
+        ("# only a comment\n", study_args, "is empty"),
+        ('algorithm,paper\n"fedavg,90\n', study_args, "line 2: not CSV"),
+        ("partition,paper\niid,90\n", ["report", str(out), "--rows", "algorithm", "--cols", "partition",
+                                       "--reference", str(bad)], "column 'partition' is a --cols axis"),
+        ("", ["report", str(out), "--sort", "loss"], "--sort loss: not one of the table's metrics"),
+        ("", ["report", str(out), "--rows", "algorithm", "--cols", "partition", "--sort", "final_accuracy"],
+         "--sort orders the rows of a table without --cols"),
+        ("", ["report", str(out / "runs" / "fedavg__iid__seed0"), "--reference", str(bad)],
+         "--reference, --seeds and --sort apply to a study directory"),
+        ("", ["report", str(out), "--seeds", "0,5"], "--seeds 5: the study"),
+        ("", ["report", str(out), "--seeds", "0,x"], "--seeds '0,x': expected integers"),
+        ("", ["report", str(out), "--metric", "worst_round"], "prefix best_ or final_; or best_round, wall_time_s"),
+    ]
+    for text, argv, message in cases:
+        bad.write_text(text)
+        assert cli(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    bad.write_bytes(b"algorithm,paper\nfedavg,\xff\n")
+    assert cli(*study_args) == 2
+    assert "not UTF-8 text (byte 23)" in capsys.readouterr().err
+    bad.unlink()
+    assert cli(*study_args) == 2
+    assert f"--reference {bad} cannot be read" in capsys.readouterr().err
+
+
+def test_the_benchmark_studies_expand_and_their_reference_values_land_on_their_rows(tmp_path):
+    """benchmarks/studies/*.yaml resolve to valid runs (nothing trains), and each study's
+    <name>_reference.csv names only cells of its grid, its values on the right rows."""
+    from fedlt.sweep.study import load_study as load_study_file
+
+    published = {}
+    for path in sorted((ROOT / "benchmarks" / "studies").glob("*.yaml")):
+        study, _ = load_study_file(path)
+        out = tmp_path / path.stem
+        write_manifest(out, plan(study, out))  # every run's RunConfig validated
+        reference = path.with_name(f"{path.stem}_reference.csv")
+        if not reference.exists():
+            continue
+        manifest, cells, _ = load_study(out)
+        table = json.loads(render_study(manifest, cells, "json", metrics=["final_accuracy"], reference=reference))
+        published |= {(path.stem, e["cell"]["algorithm"], e["cell"]["partition"]): (e["reference"] or {}).get(
+            "paper (best of 50)") for e in table["cells"]}
+    # the FedVLS paper's Table 1 (MNIST), as docs/benchmarks.md quotes it
+    assert published == {
+        ("paper_mnist", "fedavg", "dirichlet(beta=0.05)"): "94.77 ± 0.44",
+        ("paper_mnist", "fedlc", "dirichlet(beta=0.05)"): "85.56 ± 0.18",
+        ("paper_mnist", "fedvls", "dirichlet(beta=0.05)"): "95.56 ± 0.12",
+        ("paper_mnist", "fedgrab", "dirichlet(beta=0.05)"): None,
+        ("fedvls_beta", "fedavg", "dirichlet(beta=0.1)"): "96.69 ± 0.00",
+        ("fedvls_beta", "fedavg", "dirichlet(beta=0.5)"): "98.96 ± 0.00",
+        ("fedvls_beta", "fedvls", "dirichlet(beta=0.1)"): "97.24 ± 0.00",
+        ("fedvls_beta", "fedvls", "dirichlet(beta=0.5)"): "99.23 ± 0.00",
+    }
