@@ -225,11 +225,11 @@ class WorkerLost(Exception):
 PRELOAD = ["fedlt.engine", "fedlt.parallel", "torch._dynamo"]
 
 
-def _context() -> Any:
-    """``forkserver`` where there is one: a clean process that imports torch and fedlt once and
-    forks each worker from there before any torch thread exists (a worker, or its replacement,
-    starts in a fraction of a second); ``spawn`` elsewhere. Never a fork of this process, whose
-    torch threads may be running."""
+def process_context() -> Any:
+    """How fedlt starts its processes (workers, loader processes): ``forkserver`` where there is
+    one — a clean process that imports torch and fedlt once and forks each worker from there before
+    any torch thread exists (a worker, or its replacement, starts in a fraction of a second) —
+    ``spawn`` elsewhere. Never a fork of this process, whose torch threads may be running."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
@@ -283,7 +283,7 @@ class WorkerPool:
         if workers < 1:
             raise FedltError(f"workers must be at least 1, got {workers}")
         self.size, self.startup_wait, self.reply_wait = workers, startup_wait, reply_wait
-        self.ctx = _context()
+        self.ctx = process_context()
         self.binding: tuple | None = None
         self.replaced = 0  # workers replaced after a death or a timeout (tests and benchmarks read it)
         self.procs = [_Process(self.ctx, i) for i in range(workers)]

@@ -370,7 +370,7 @@ class FileImages:
             idle = self.files.kept.setdefault(key, [])
             if idle:
                 return idle.pop()
-        from fedlt.parallel import _context
+        from fedlt.parallel import process_context
 
         feed = _Feed()
         with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
@@ -385,7 +385,7 @@ class FileImages:
                 # started by fedlt.parallel's fork server, never forked from this process: a loader may
                 # start inside the evaluation thread, and a fork of a process whose other threads hold
                 # locks can hang its child (seen with --workers: the overlapped evaluation's loader)
-                multiprocessing_context=_context(),
+                multiprocessing_context=process_context(),
                 generator=torch.Generator().manual_seed(0))  # a seed draw from torch's would shift the client's stream
         return loader, feed
 
