@@ -241,6 +241,7 @@ def test_run_fedlt_trains_on_the_export_and_authors_norm_is_their_transform(expo
 
     monkeypatch.setattr(fedlt.engine, "run", run_and_keep)
     monkeypatch.setattr(fedlt.engine, "load_data", fedlt.engine.load_data)  # restored after --authors-norm
+    monkeypatch.setattr(fedlt.engine, "evaluate", fedlt.engine.evaluate)  # run_fedlt wraps it: restored after the test
     base = ["run_fedlt.py", "--algo", "fedvls", "--dataset", "arrays", "--data-root", str(data_dir / "mnist-authors.npz"),
             "--partition-file", str(data_dir / "partition.npz"), "--rounds", "1", "--clients", str(K)]
     for flags, out in (([], "plain"), (["--authors-norm"], "authors")):
