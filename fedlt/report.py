@@ -76,16 +76,22 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     return row
 
 
+def _read_text(path: Path, encoding: str, where: str, not_text: str) -> str:
+    """The file's text; a one-line FedltError when it cannot be read (``where``) or is not UTF-8
+    (``not_text``)."""
+    try:
+        return path.read_bytes().decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise FedltError(f"{not_text}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise FedltError(f"{where} cannot be read ({exc.strerror or exc})") from None
+
+
 def _read_metrics(path: Path, participation: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The evaluated rounds' rows; every round's participation (docs/faults.md) into ``participation``."""
     if not path.is_file():
         return []
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FedltError(f"{path} is not a metrics file: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise FedltError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    text = _read_text(path, "utf-8", str(path), f"{path} is not a metrics file")
     rows, lines = [], text.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -521,12 +527,7 @@ def read_reference(path: str | Path, axes: list[str]) -> Reference:
 
     path = Path(path)
     where = f"--reference {path}"
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise FedltError(f"{where}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise FedltError(f"{where} cannot be read ({exc.strerror or exc})") from None
+    text = _read_text(path, "utf-8-sig", where, where)
     parsed = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
