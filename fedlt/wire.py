@@ -1,8 +1,8 @@
 """The lossless wire format: any task, result, upload or state as (JSON text, flat byte tensors).
 
 Every value crosses exactly, with no per-field code: tensors (every dtype, bit for bit: they
-travel as their raw bytes with dtype and shape beside them), ints, floats (``repr`` round-trips a
-double, NaN and ±inf included), strings, booleans, None, lists, tuples, dicts with any such keys,
+travel as their raw bytes with dtype and shape beside them), ints, floats (a finite one as JSON's
+shortest round-trip text; NaN and ±inf as their 8 bytes, sign and NaN payload included), strings, booleans, None, lists, tuples, dicts with any such keys,
 and registered dataclasses of them (``register``; decoding creates only registered types, so a
 message can never name code to run). Anything else is a one-line :class:`FedltError` naming the
 field, never a silent drop. Tensors come back detached, on the requested device, in their memory
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _float_from_hex(text: Any) -> float:
+    if not isinstance(text, str) or len(text) != 16:
+        raise FedltError(f"wire: a non-finite float is 16 hex digits, got {text!r}")
+    try:
+        return struct.unpack(">d", bytes.fromhex(text))[0]
+    except ValueError:
+        raise FedltError(f"wire: a non-finite float is 16 hex digits, got {text!r}") from None
+
+
 def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
     """``value`` as (JSON text, tensors of its raw bytes, uint8, 1-D, on the CPU)."""
     arrays: list[torch.Tensor] = []
@@ -59,7 +69,8 @@ def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
         if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, np.bool_):
             v = v.item() if isinstance(v, np.generic) else v
             if isinstance(v, float) and not math.isfinite(v):
-                return {"f": repr(v)}  # JSON has no NaN / inf
+                # JSON has no NaN / inf: the float's 8 bytes in hex, so a NaN's sign and payload survive
+                return {"f": struct.pack(">d", v).hex()}
             return v
         if isinstance(v, np.bool_):
             return bool(v)
@@ -104,7 +115,7 @@ def decode(text: str, arrays: list[torch.Tensor], device: torch.device | str = "
         if not isinstance(node, dict):
             return node
         if "f" in node and len(node) == 1:
-            return float(node["f"])
+            return _float_from_hex(node["f"])
         if "T" in node:
             dtype = _dtype(node["dtype"])
             raw = arrays[node["T"]]
