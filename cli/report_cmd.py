@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from fedlt import outputs
 from fedlt.cli.app import app
 from fedlt.errors import FedltError
 
@@ -36,13 +37,16 @@ def report(
                                         "every cell finished while another seed is still running)"),
     sort: Optional[str] = typer.Option(None, "--sort", help="study: order the rows by this --metric's mean, highest "
                                        "first (a table without --cols)"),
+    force: bool = typer.Option(False, "--force", help="replace fedlt's own earlier --output / --plot files (never a "
+                               "file fedlt did not write, never an input)"),
 ) -> None:
     """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time; or
     aggregate a study over its seeds: mean ± std (n) per cell, laid out with --rows / --cols.
 
     A run that cannot be read (not a run, or a damaged file) is named on stderr, one line each,
     and left out; the others are still reported, and the exit code is then 2. A study's failed
-    runs are marked in their cell and listed under the table."""
+    runs are marked in their cell and listed under the table. An existing --output or --plot file
+    is refused unless fedlt wrote it (then --force replaces it); an input never is."""
     from fedlt.report import is_study
     from fedlt.rundir import check_directory, check_file
 
@@ -54,29 +58,38 @@ def report(
             raise FedltError("report one study directory at a time (or run directories only)")
         if output is not None:
             check_file(output, "--output")
-        _study(studies[0], plot, rows, cols, metric, fmt, output, reference, sort, seeds)
+            outputs.check([output], "--output", force=force, inputs=_inputs(studies[0], reference))
+        _study(studies[0], plot, rows, cols, metric, fmt, output, reference, sort, seeds, force)
         return
     if (rows or cols or metric or output is not None or fmt != "markdown" or reference is not None or sort
-            or seeds is not None):
+            or seeds is not None):  # --force applies to --plot too
         raise FedltError("--rows, --cols, --metric, --format, --output, --reference, --seeds and --sort apply to a "
                          "study directory (written by fedlt sweep)")
-    _runs(runs, plot)
+    _runs(runs, plot, force)
+
+
+def _inputs(study: Path, reference: Optional[Path]) -> list[Path]:
+    """What a study's report reads: never a place to write it."""
+    return [study / "study.json", *([reference] if reference is not None else [])]
 
 
 def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, output: Optional[Path],
-           reference: Optional[Path], sort: Optional[str], seeds: Optional[str]) -> None:
-    from fedlt import io
+           reference: Optional[Path], sort: Optional[str], seeds: Optional[str], force: bool) -> None:
     from fedlt.cli.sweep_cmd import parse_seeds
-    from fedlt.report import load_study, plot_study, render_study
+    from fedlt.report import STUDY_PLOTS, load_study, plot_study, render_study
 
     manifest, cells, problems = load_study(path, parse_seeds(seeds) if seeds is not None else None)
     text = render_study(manifest, cells, fmt, metrics=metric, rows=rows, cols=cols, reference=reference, sort=sort)
+    if plot is not None:  # refused before anything is written
+        if not any(cell.runs for cell in cells):
+            raise FedltError("no finished run to plot yet")
+        outputs.check([plot / name for name in STUDY_PLOTS], "--plot", force=force)
     typer.echo(text, nl=False)
     if output is not None:
-        io._atomic(output, lambda f: f.write(text.encode()))
+        outputs.write_bytes(output, text.encode())
         typer.echo(f"wrote {output}", err=True)
     if plot is not None:
-        for written in plot_study(cells, plot):
+        for written in plot_study(cells, plot, force):
             typer.echo(f"wrote {written}", err=True)
     for problem in problems:
         typer.echo(f"error: skipped {problem}", err=True)
@@ -84,7 +97,7 @@ def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, outpu
         raise typer.Exit(2)
 
 
-def _runs(runs: list[Path], plot: Optional[Path]) -> None:
+def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
     from fedlt.report import participation_table, read_runs, table, write_plots
 
     loaded, problems = read_runs(runs)
@@ -98,7 +111,7 @@ def _runs(runs: list[Path], plot: Optional[Path]) -> None:
     if lost is not None:
         console.print(lost)
     if plot is not None:
-        for path in write_plots(loaded, plot):
+        for path in write_plots(loaded, plot, force):
             typer.echo(f"wrote {path}")
     for problem in problems:
         typer.echo(f"error: skipped {problem}", err=True)

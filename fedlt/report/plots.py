@@ -1,0 +1,210 @@
+"""Figures of runs and studies, written as PNG files on matplotlib's Agg canvas (no display, no
+pyplot state; matplotlib is imported only when a figure is drawn).
+
+- ``accuracy.png``: top-1 and balanced accuracy per evaluated round, every run on the same axes
+  (a study: per cell, the mean with a ±std band over seeds);
+- ``per_class.png``: the final per-class accuracy, as grouped bars; beyond ``MAX_BARS`` classes
+  as lines over at most ``MAX_POINTS`` bins of classes (each bin's mean), so a long per-class list
+  draws in bounded time;
+- ``partition-<run>.png``: each run's clients × classes count heatmap (``fedlt.plots``).
+
+Labels are copied as text (a ``$`` is escaped: never read as mathtext). The files are written
+through ``fedlt.outputs`` (never over a file fedlt did not write). Imports: fedlt.errors,
+fedlt.outputs, fedlt.plots, fedlt.report.runs / study.
+"""
+
+from __future__ import annotations
+
+import io as stdio
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from fedlt import outputs
+from fedlt.errors import FedltError
+from fedlt.plots import new_figure, partition_heatmap
+from fedlt.report.runs import Run
+from fedlt.report.study import Cell
+
+from fedlt import outputs
+
+MAX_BARS = 100  # classes drawn as grouped bars; beyond, lines over binned classes
+MAX_POINTS = 1000  # bins of classes on a line (a per-class list of 10^6 draws in bounded time)
+
+
+def _save(fig, path: Path) -> Path:
+    """PNG rendered in memory, then written atomically and marked as fedlt's (``fedlt.outputs``)."""
+    buffer = stdio.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    return outputs.write_bytes(path, buffer.getvalue())
+
+
+def _text(label: str) -> str:
+    """A label as plain text for matplotlib: ``$`` would start mathtext (a parse error or markup)."""
+    return str(label).replace("$", r"\$")
+
+
+def _pct_or_nan(value: float | None) -> float:
+    return float("nan") if value is None else 100 * value
+
+
+def _style(ax, title: str | None = None, legend: bool = True) -> None:
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def plot_accuracy(runs: list[Run], path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    fig = new_figure(11, 4.2)
+    top, balanced = fig.subplots(1, 2, sharey=True)
+    for run in runs:
+        x = [r["round"] for r in run.metrics]
+        marker = "o" if len(x) <= 30 else None
+        line, = top.plot(x, [100 * r["accuracy"] for r in run.metrics], marker=marker, markersize=3,
+                         label=_text(run.label))
+        balanced.plot(x, [_pct_or_nan(r.get("balanced_accuracy")) for r in run.metrics], marker=marker, markersize=3,
+                      color=line.get_color(), label=_text(run.label))
+    for ax, title in ((top, "top-1 accuracy"), (balanced, "balanced accuracy")):
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _style(ax, title, legend=ax is balanced)
+    top.set_ylabel("test accuracy (%)")
+    return _save(fig, path)
+
+
+def binned(values: np.ndarray, bins: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """(first class of each bin, the bin's mean over its classes that have a value): at most
+    ``bins`` points, whatever the number of classes."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) <= bins:
+        return np.arange(len(values)), values
+    edges = np.linspace(0, len(values), bins + 1).astype(np.int64)
+    sums = np.add.reduceat(np.nan_to_num(values), edges[:-1])
+    counts = np.add.reduceat((~np.isnan(values)).astype(np.int64), edges[:-1])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return edges[:-1], np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def _per_class_axes(series: list[tuple[str, np.ndarray, np.ndarray | None]], title: str, path: Path) -> Path:
+    """``series``: (label, per-class accuracy in %, its std or None); grouped bars up to
+    ``MAX_BARS`` classes, else one line per series over binned classes."""
+    num_classes = max(max((len(v) for _, v, _ in series), default=0), 1)
+    many = num_classes > MAX_BARS
+    fig = new_figure(24 if many else float(np.clip(0.35 * num_classes * len(series) ** 0.5 + 3, 6, 24)), 4.2)
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(series), 1)
+    for k, (label, values, std) in enumerate(series):
+        if many:
+            x, y = binned(values)
+            ax.plot(x, y, linewidth=1, label=_text(label))
+        else:
+            ax.bar(np.arange(len(values)) + (k - (len(series) - 1) / 2) * width, values, width=width,
+                   yerr=std, capsize=2 if std is not None else 0, label=_text(label))
+    ax.set_xlabel(f"class ({num_classes} classes, mean per bin of {-(-num_classes // MAX_POINTS)})"
+                  if many and num_classes > MAX_POINTS else "class")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_ylim(0, 100)
+    if num_classes <= 40:
+        ax.set_xticks(range(num_classes))
+    _style(ax, title)
+    return _save(fig, path)
+
+
+def plot_per_class(runs: list[Run], path: Path) -> Path:
+    series = [(f"{run.label} (round {run.final['round']})",
+               np.array([_pct_or_nan(a) for a in run.final.get("per_class_accuracy") or []], dtype=np.float64), None)
+              for run in runs]
+    return _per_class_axes(series, "per-class accuracy", path)
+
+
+def _file_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
+
+
+def plot_names(runs: list[Run]) -> dict[str, Run | None]:
+    """The files ``write_plots`` writes: name -> the run whose partition it shows (None: all runs)."""
+    names: dict[str, Run | None] = {"accuracy.png": None, "per_class.png": None}
+    for run in runs:
+        if run.manifest is None or "class_counts" not in run.manifest:
+            continue
+        name = _file_label(run.label)
+        while f"partition-{name}.png" in names:  # two labels that differ only in characters a file name cannot hold
+            name += "_"
+        names[f"partition-{name}.png"] = run
+    return names
+
+
+def write_plots(runs: list[Run], folder: str | Path, force: bool = False) -> list[Path]:
+    """Write the figures into ``folder`` (created if needed), never over a file fedlt did not
+    write there (``fedlt.outputs``; ``force`` replaces fedlt's own); returns the files written."""
+    folder = Path(folder)
+    names = plot_names(runs)
+    outputs.check([folder / n for n in names], "--plot", force=force)
+    written = [plot_accuracy(runs, folder / "accuracy.png"), plot_per_class(runs, folder / "per_class.png")]
+    for name, run in names.items():
+        if run is None:
+            continue
+        title = _text(f"{run.label}: {run.manifest.get('name', 'partition')} partition")
+        written.append(partition_heatmap(run.manifest["class_counts"], folder / name, title=title))
+        outputs.record([folder / name])
+    return written
+
+
+STUDY_PLOTS = ("accuracy.png", "per_class.png")
+
+
+def _study_curves(shown: list[Cell], path: Path) -> Path:
+    """Per cell, the mean top-1 accuracy per evaluated round with a ±std band over its seeds
+    (rounds every seed evaluated)."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig = new_figure(11, 4.5)
+    ax = fig.add_subplot()
+    for cell in shown:
+        rounds = sorted(set.intersection(*({r["round"] for r in run.metrics} for run in cell.runs)))
+        curves = np.array([[100 * {r["round"]: r["accuracy"] for r in run.metrics}[x] for x in rounds]
+                           for run in cell.runs], dtype=np.float64)
+        mean = curves.mean(0)
+        std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        line, = ax.plot(rounds, mean, marker="o" if len(rounds) <= 30 else None, markersize=3,
+                        label=_text(f"{cell.name} (n={len(curves)})"))
+        ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%), mean ± std over seeds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _style(ax)
+    return _save(fig, path)
+
+
+def _study_per_class(shown: list[Cell], path: Path) -> Path:
+    """Per cell, the mean final per-class accuracy with ±std bars over its seeds."""
+    series = []
+    for cell in shown:
+        lists = [run.final.get("per_class_accuracy") or [] for run in cell.runs]
+        width = max(len(v) for v in lists)
+        values = np.full((len(lists), width), np.nan)
+        for i, v in enumerate(lists):
+            values[i, :len(v)] = [_pct_or_nan(a) for a in v]
+        with warnings.catch_warnings():  # a class no seed evaluated: its mean is NaN, drawn as a gap
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(values, 0) if width else np.zeros(0)
+            std = np.nanstd(values, 0, ddof=1) if len(values) > 1 and width else np.zeros(width)
+        series.append((cell.name, mean, std))
+    return _per_class_axes(series, "per-class accuracy, mean ± std over seeds", path)
+
+
+def plot_study(cells: list[Cell], folder: str | Path, force: bool = False) -> list[Path]:
+    """``accuracy.png`` (``_study_curves``) and ``per_class.png`` (``_study_per_class``) in
+    ``folder``, never over a file fedlt did not write there (``fedlt.outputs``)."""
+    folder = Path(folder)
+    shown = [c for c in cells if c.runs]
+    if not shown:
+        raise FedltError("no finished run to plot yet")
+    outputs.check([folder / n for n in STUDY_PLOTS], "--plot", force=force)
+    return [_study_curves(shown, folder / STUDY_PLOTS[0]), _study_per_class(shown, folder / STUDY_PLOTS[1])]
