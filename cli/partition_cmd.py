@@ -11,6 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from fedlt import outputs
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, resolve_partition
 from fedlt.config import DEFAULT_PARTITION
@@ -114,6 +115,8 @@ def partition_command(
     save: Optional[Path] = typer.Option(None, help="write the partition (.npz, reusable with fedlt run "
                                         "--partition-file) and its manifest beside it (.json)"),
     max_rows: int = typer.Option(100, help="clients shown in the table; 0 shows all"),
+    force: bool = typer.Option(False, "--force", help="replace fedlt's own earlier --save / --plot files (never a "
+                               "file fedlt did not write)"),
 ) -> None:
     """Partition a dataset's training set among clients and show the class counts per client."""
     import fedlt.datasets
@@ -129,9 +132,11 @@ def partition_command(
     if save is not None:  # every output path is checked before the dataset is loaded
         check_file(save, "--save")
         check_file(save.with_suffix(".json"), "--save")
+        outputs.check([save, save.with_suffix(".json")], "--save", force=force)  # never a file fedlt did not write
     if plot is not None:
         plot = figure_path(plot)
         check_file(plot, "--plot")
+        outputs.check([plot], "--plot", force=force)
     flags = dict(alpha=alpha, beta=beta, min_size=min_size, shards_per_client=shards_per_client,
                  imbalance_factor=imbalance_factor)
     spec = resolve_partition(partition, then, flags, DEFAULT_PARTITION) or dict(DEFAULT_PARTITION)
@@ -148,9 +153,11 @@ def partition_command(
     if save is not None:
         part.save(save)
         io.write_json(save.with_suffix(".json"), part.manifest)
+        outputs.record([save, save.with_suffix(".json")])
         typer.echo(f"saved {save} and {save.with_suffix('.json')}")
     if plot is not None:
         from fedlt.plots import partition_heatmap
 
         title = f"{describe}\n{clients} clients, seed {seed}, {data.name}"
         typer.echo(f"plot {partition_heatmap(part.class_counts, plot, title=title)}")
+        outputs.record([plot])

@@ -124,7 +124,7 @@ def sweep(
 ) -> None:
     """Run a grid of runs (a study) in parallel, resumably; then `fedlt report STUDY_DIR`."""
     from fedlt.sweep import study as studies
-    from fedlt.sweep.executors import EXECUTORS
+    from fedlt.sweep.executors import EXECUTORS, check_params
 
     named_out = None
     if study is not None and study.is_dir():
@@ -156,6 +156,7 @@ def sweep(
         raise FedltError("name the study directory with --out")
     if threads is not None and threads < 1:
         raise FedltError(f"--threads must be at least 1, got {threads}")
+    EXECUTORS.get(executor)  # first: an unknown executor is named before any of its options
     params: dict[str, Any] = {}
     for item in executor_param or []:
         path, value = set_value(item)
@@ -165,7 +166,7 @@ def sweep(
             raise FedltError(f"--jobs is the local executor's; --executor {executor} takes its parallelism from "
                              "the cluster")
         params["jobs"] = jobs
-    EXECUTORS.get(executor)  # one line naming the executors
+    check_params(executor, params)  # an unknown or ill-typed --executor-param, in one line
     if dry_run:
         _dry_run(the_study, out, extend)
         return

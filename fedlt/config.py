@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
+from fedlt import safe_yaml
 from fedlt.errors import FedltError
 from fedlt.registry import create_from_spec
 from fedlt.spec import MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec
@@ -406,9 +407,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         elif path.suffix == ".json":
             data = json.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = safe_yaml.load(text)  # aliases bounded before expansion
             data = {} if data is None else data  # an empty file
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise FedltError(f"config file {path} is not valid {path.suffix[1:]}: {exc}".splitlines()[0]) from None

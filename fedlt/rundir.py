@@ -166,8 +166,9 @@ def _holder(lock: Path) -> str:
     return f"fedlt process {pid}" if pid.isdigit() else "another fedlt process"
 
 
-def _lock(out: Path) -> int:
-    """An fd holding the exclusive lock on ``out/.fedlt.lock`` (with our PID written in it)."""
+def _lock(out: Path, busy: str = "one process per run directory; wait for it to end, or use another --out") -> int:
+    """An fd holding the exclusive lock on ``out/.fedlt.lock`` (with our PID written in it);
+    ``busy``: what the refusal adds after naming the holder."""
     lock = out / LOCK_NAME
     while True:
         try:
@@ -178,8 +179,7 @@ def _lock(out: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise FedltError(f"{out} is in use by {_holder(lock)}: one process per run directory; "
-                             "wait for it to end, or use another --out") from None
+            raise FedltError(f"{out} is in use by {_holder(lock)}: {busy}") from None
         try:  # the holder we waited on may have removed the file: then lock the new one
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
                 break

@@ -12,9 +12,12 @@ on SIGINT/SIGTERM: every run stops after its round with a checkpoint). Registeri
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import time
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,63 @@ from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
 
 EXECUTORS: Registry[Any] = Registry("executor")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (a ``--executor-param`` value as ``--set`` reads it) has the annotated type."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    kind = origin or hint
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+def _type_words(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is not None and args and typing.get_origin(hint) not in (dict, list):
+        return " or ".join(_type_words(a) for a in args)
+    return getattr(typing.get_origin(hint) or hint, "__name__", str(hint))
+
+
+def check_params(name: str, params: dict[str, Any]) -> Any:
+    """The executor class ``name``, after checking ``params`` against its ``__init__``: an unknown
+    or ill-typed one is a one-line FedltError naming it and the executor's parameters."""
+    factory = EXECUTORS.get(name)
+    signature = inspect.signature(factory)
+    named = {p.name: p for p in signature.parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except Exception:  # a plugin's annotations that do not resolve: names are still checked
+        hints = {}
+    allowed = ", ".join(named) + (", and any other (passed on)" if open_ended else "") if named else "none"
+    for key, value in params.items():
+        if key not in named:
+            if open_ended:
+                continue
+            raise FedltError(f"--executor-param {key}: the {name} executor has no such parameter (its "
+                             f"parameters: {allowed})")
+        hint = hints.get(key, named[key].annotation)
+        if not _fits(value, hint):
+            raise FedltError(f"--executor-param {key}={value!r}: the {name} executor expects {_type_words(hint)} "
+                             f"(its parameters: {allowed})")
+    return factory
+
+
+def create(name: str, params: dict[str, Any]) -> Any:
+    """``EXECUTORS.create(name, **params)`` with the parameters checked first (``check_params``)."""
+    check_params(name, params)
+    return EXECUTORS.create(name, **params)
 
 
 def cores() -> int:

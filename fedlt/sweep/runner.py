@@ -10,6 +10,7 @@ once. A failed run is recorded with its one-line error and the others go on.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from fedlt import rundir
-from fedlt.sweep import track
-from fedlt.sweep.executors import EXECUTORS, Job, Outcome
+from fedlt.errors import FedltError
+from fedlt.sweep import executors, track
+from fedlt.sweep.executors import Job, Outcome
 from fedlt.sweep.study import Study, clear_partial, expand, plan, status_on_disk, write_manifest
 
 
@@ -51,6 +53,33 @@ def _relay_signals(stop: Callable[[int], None]) -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextmanager
+def claim_study(out: Path) -> Iterator[None]:
+    """Hold ``out`` for one sweep: created if needed, then an exclusive lock on ``out/.fedlt.lock``
+    holding our PID (``rundir``: atomic, and a killed holder never blocks, the kernel drops its
+    lock); a second sweep into it is refused naming the first. On exit the lock file goes, and a
+    directory this call created and left empty (a refusal) is removed."""
+    rundir.check_directory(out, "study directory")
+    created = rundir._created_dirs(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedltError(f"study directory {out}: cannot create it ({rundir.reason(exc)})") from None
+    fd = None
+    try:
+        fd = rundir._lock(out, "one fedlt sweep per study directory; wait for it to end, or use another --out")
+        yield
+    finally:
+        if fd is not None:
+            (out / rundir.LOCK_NAME).unlink(missing_ok=True)  # still held: nobody took it meanwhile
+            os.close(fd)
+        for folder in created:  # only what this call made, and only if nothing was written in it
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def jobs_of(study: Study, out: Path, manifest: dict[str, Any], threads: int | None,
@@ -85,11 +114,18 @@ def sweep(study: Study, out: Path, *, executor: str = "local", executor_params: 
     outcome)`` as runs start and finish. Raises FedltError for a bad study or a changed grid
     before anything is written."""
     out = Path(out)
+    plan(study, out, extend=extend)  # a bad study or a changed grid: refused before anything is created
+    engine = executors.create(executor, executor_params or {})
+    with claim_study(out):
+        return _sweep_claimed(study, out, engine, extend, threads or engine.threads_per_run(), track_with,
+                              tracking_uri, on_plan, on_event)
+
+
+def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: int, track_with: tuple[str, ...],
+                   tracking_uri: str | None, on_plan: Callable[[dict[str, Any], list[Job]], None] | None,
+                   on_event: Callable[[str, str, Outcome | None], None] | None) -> SweepResult:
+    """``sweep`` once ``out`` is held: planned again (another sweep may have run meanwhile), then run."""
     manifest = plan(study, out, extend=extend)
-    engine = EXECUTORS.create(executor, **(executor_params or {}))
-    threads = threads or engine.threads_per_run()
-    rundir.check_directory(out, "study directory")
-    out.mkdir(parents=True, exist_ok=True)
     tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)
     for spec in tracking:
         track.prepare(spec)

@@ -35,10 +35,16 @@ from fedlt.errors import FedltError, describe
 from fedlt.spec import format_spec, overlay, parse_spec
 
 MANIFEST = "study.json"
+LOCK = rundir.LOCK_NAME  # held by the one sweep running in a study directory (fedlt.sweep.runner)
 FORMAT = "fedlt-study-1"
 # settings holding a component spec ({"name": ..., **params}): a string value is parsed as a spec
 SPEC_AXES = ("partition", "algorithm_params.aggregator")
 STUDY_KEYS = {"base", "axes", "seeds", "include", "exclude", "out"}
+# settings the study sets itself, never a grid axis: each run's seeds (its seeds list) and out (runs/<id>)
+OWNED_AXES = {"seeds": "the study's seeds list (seeds = [...] / --seeds) sets every run's seeds",
+              "out": "each run's directory is runs/<run id> under the study directory (--out)"}
+RUN_STATUSES = ("pending", "running", "done", "failed", "stopped")
+_RUN_ID = re.compile(r"^[A-Za-z0-9.=+_-]+$")  # what run_id makes: a single safe path component
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ def load_study(path: Path) -> tuple[Study, Path | None]:
     if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
         raise FedltError(f"study file {path}: 'axes' must map each setting to a non-empty list of values")
     out = data.get("out")
+    if out is not None and (not isinstance(out, str) or not out.strip()):
+        raise FedltError(f"study file {path}: 'out' must be a directory name (a string), got {out!r}")
     study = Study(base, dict(axes), check_seeds(data.get("seeds", [0]), f"study file {path}: seeds"),
                   _entries(data.get("include", []), f"study file {path}: include"),
                   _entries(data.get("exclude", []), f"study file {path}: exclude"))
@@ -178,8 +186,19 @@ def _matches(cell: dict[str, Any], entry: dict[str, Any]) -> bool:
     return all(axis in cell and display(cell[axis]) == display(value) for axis, value in entry.items())
 
 
+def check_axes(axes: Any, what: str) -> None:
+    """FedltError naming the first axis that is a setting the study sets itself (``OWNED_AXES``)."""
+    for axis in axes:
+        root = str(axis).split(".")[0]
+        if root in OWNED_AXES:
+            raise FedltError(f"{what} {axis}: not an axis a grid can vary; {OWNED_AXES[root]}")
+
+
 def cells(study: Study) -> list[dict[str, Any]]:
     """The grid: the product of the axes in order, minus ``exclude``, plus ``include``."""
+    check_axes(study.axes, "axis")
+    for entry in study.include:
+        check_axes(entry, "include")
     names = list(study.axes)
     grid = [dict(zip(names, values)) for values in itertools.product(*study.axes.values())]
     for entry in study.exclude:
@@ -197,7 +216,7 @@ def cells(study: Study) -> list[dict[str, Any]]:
 def expand(study: Study, out: Path) -> list[RunEntry]:
     """Every run of the study, its settings resolved and validated (one line naming the run on
     a bad value); run directories ``out/runs/<id>``."""
-    entries, seen = [], set()
+    entries, seen, configs = [], set(), {}
     for cell in cells(study):
         settings = dict(study.base)
         for axis in sorted(cell, key=lambda a: a != "algorithm"):  # the algorithm first: it resets its params
@@ -214,10 +233,24 @@ def expand(study: Study, out: Path) -> list[RunEntry]:
                 config = RunConfig.model_validate(resolved)
             except ValidationError as exc:
                 raise FedltError(f"run {rid}: {describe(exc)}") from None
-            entries.append(RunEntry(rid, cell, seed, config.model_dump(mode="json")))
+            entry = RunEntry(rid, cell, seed, config.model_dump(mode="json"))
+            _refuse_twins(entry, configs)
+            entries.append(entry)
     if not entries:
         raise FedltError("the study has no runs (every cell is excluded)")
     return entries
+
+
+def _refuse_twins(entry: RunEntry, configs: dict[str, RunEntry]) -> None:
+    """Two runs of one configuration (``2`` and ``2.0``, a spec written two ways) would run the same
+    thing twice under two names: refused, naming both cells."""
+    digest = _digest({k: v for k, v in entry.config.items() if k != "out"})
+    twin = configs.setdefault(digest, entry)
+    if twin is not entry:
+        cells_text = " and ".join("{" + ", ".join(f"{a}={display(v)}" for a, v in c.items()) + "}"
+                                  for c in (twin.cell, entry.cell))
+        raise FedltError(f"runs {twin.id} and {entry.id} resolve to the same configuration (cells {cells_text}); "
+                         "list each setting once")
 
 
 # -- the study directory ------------------------------------------------------------------------
@@ -249,7 +282,47 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
     manifest = io.read_json(path, "study manifest", dict)
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("runs"), list):
         raise FedltError(f"{path} is not a fedlt study manifest (expected format {FORMAT!r})")
+    _check_definition(manifest.get("study"), path)
+    for i, run in enumerate(manifest["runs"]):
+        _check_run(run, f"{path} is a damaged study manifest: runs[{i}]")
     return manifest
+
+
+def _check_definition(study: Any, path: Path) -> None:
+    """The manifest's ``study``: what ``study_of_manifest`` rebuilds the grid from."""
+    where = f"{path} is a damaged study manifest: study"
+    if not isinstance(study, dict):
+        raise FedltError(f"{where} is {'missing' if study is None else type(study).__name__}, not a table")
+    if not isinstance(study.get("base"), dict):
+        raise FedltError(f"{where}.base is {type(study.get('base')).__name__}, not a table of run settings")
+    axes = study.get("axes")
+    if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
+        raise FedltError(f"{where}.axes must map each setting to a non-empty list of values")
+    check_seeds(study.get("seeds"), f"{where}.seeds")
+    for key in ("include", "exclude"):
+        _entries(study.get(key, []), f"{where}.{key}")
+
+
+def _check_run(run: Any, where: str) -> None:
+    """One run entry as ``plan`` writes it; its directory must be ``runs/<id>`` (nothing else is read)."""
+    if not isinstance(run, dict):
+        raise FedltError(f"{where} is {type(run).__name__}, not a table")
+    rid = run.get("id")
+    if not isinstance(rid, str) or not _RUN_ID.match(rid) or rid in (".", ".."):
+        raise FedltError(f"{where}.id is {rid!r}, not a run id (letters, digits and . = + _ -)")
+    label = run.get("label")
+    if not isinstance(run.get("cell"), dict) or not isinstance(label, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in label.items()):
+        raise FedltError(f"{where} ({rid}): 'cell' and 'label' must be tables (axis = value)")
+    seed = run.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise FedltError(f"{where} ({rid}).seed is {seed!r}, not a seed (an integer >= 0)")
+    if run.get("dir") != f"runs/{rid}":
+        raise FedltError(f"{where} ({rid}).dir is {run.get('dir')!r}; a run's directory is 'runs/{rid}'")
+    if run.get("status") not in RUN_STATUSES or not isinstance(run.get("digest"), str):
+        raise FedltError(f"{where} ({rid}): 'status' must be one of {', '.join(RUN_STATUSES)} and 'digest' a string")
+    if run.get("error") is not None and not isinstance(run.get("error"), str):
+        raise FedltError(f"{where} ({rid}).error is {run['error']!r}, not a message")
 
 
 def plan(study: Study, out: Path, *, extend: bool = False) -> dict[str, Any]:
@@ -263,7 +336,7 @@ def plan(study: Study, out: Path, *, extend: bool = False) -> dict[str, Any]:
              "error": None} for e in entries]
     old = read_manifest(out)
     if old is None:
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != LOCK for p in out.iterdir()):
             raise FedltError(f"study directory {out} is not empty and holds no {MANIFEST}; use a new or empty one")
         return {"format": FORMAT, "study": study.definition(), "runs": runs}
     previous = {r["id"]: r for r in old["runs"]}
