@@ -10,7 +10,6 @@ Imports: fedlt.io, fedlt.errors.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedlt.config import RunConfig
+from fedlt.engine import RunStopped, run
 from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
+from fedlt.sweep import track
 
 EXECUTORS: Registry[Any] = Registry("executor")
 
@@ -131,10 +134,6 @@ def run_job(job: Job) -> Outcome:
     """One run, in whatever process the executor chose: never raises; a failure is an Outcome
     holding its one-line error."""
     import torch
-
-    from fedlt.config import RunConfig
-    from fedlt.engine import RunStopped, run
-    from fedlt.sweep import track
 
     started = time.perf_counter()
     if job.threads is not None:
