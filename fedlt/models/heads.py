@@ -1,0 +1,154 @@
+"""Classifier heads that replace a model's classifier: fixed (FedETF's simplex ETF) or partly
+fixed classifiers, a kind of part of their own (issue 33).
+
+A head is a registered factory ``head(in_features, num_classes, **params) -> nn.Module`` whose
+module maps the representation h (B×d, the input of the model's classifier) to logits (B×C) and
+exposes the class vectors it scores against as ``weight`` (C×d', what ``classifier_weight`` and
+post-hoc steps read). ``attach(model, spec)`` swaps the model's classifier (found through
+``get_classifier()``) for the head in place, so ``model(x)`` and ``get_classifier()`` go through
+the head and every engine, split point and feature hook keeps working unchanged.
+
+What a head fixes is a buffer, not a parameter (no optimiser, no aggregator moves it), built
+from the head's own ``seed`` so every node builds the same one; the head's trainable parameters
+are drawn under the same seed, so a node that builds the model alone (a Flower client) starts
+from the same weights as the server.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedlt.errors import FedltError
+from fedlt.registry import Registry
+
+_HEAD_KEYS = ("in_features", "num_classes")  # what the model, not the spec, decides
+
+
+def _module_check(obj) -> str | None:
+    return None if isinstance(obj, nn.Module) else f"{type(obj).__name__}, not a torch.nn.Module"
+
+
+REGISTRY: Registry = Registry("head", product=_module_check)
+register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
+
+
+def simplex_etf(a: torch.Tensor) -> torch.Tensor:
+    """FedETF's fixed classifier (d×C, columns unit-norm, pairwise cosine −1/(C−1)) from a d×C
+    matrix ``a`` (d ≥ C): P = Q of a's QR decomposition, M = √(C/(C−1))·P·(I − 11ᵀ/C) — the
+    authors' ``Proto_Classifier`` (models_dict/proto_classifiers.py), where ``a`` is uniform on
+    [0, 1); computed in float64."""
+    d, c = a.shape
+    if c < 2 or d < c:
+        raise FedltError(f"head 'etf': a simplex ETF of {c} classes needs 2 <= classes <= feature dimension {d}")
+    p, _ = torch.linalg.qr(a.double())
+    centre = torch.eye(c, dtype=torch.float64) - torch.full((c, c), 1.0 / c, dtype=torch.float64)
+    return math.sqrt(c / (c - 1)) * p @ centre
+
+
+def _check_int(head: str, name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise FedltError(f"head {head!r}: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check_positive(head: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FedltError(f"head {head!r}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class ETFHead(nn.Module):
+    """FedETF's head (Li et al., ICCV 2023, eq. 3–4; the authors' ``models_dict``):
+    z = β · (u/‖u‖₂)ᵀ M with u = W_p h + b_p (the projection layer ``linear_proto``), ‖u‖ clamped
+    at 1e-12 as in their code, M the fixed d'×C simplex ETF (a buffer) and β the learnable
+    ``scaling_train``. ``weight`` is Mᵀ (C×d')."""
+
+    def __init__(self, in_features: int, num_classes: int, proj_dim: int, scale: float, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):  # the same projection and ETF on every node
+            torch.manual_seed(seed)
+            self.linear_proto = nn.Linear(in_features, proj_dim)
+            a = torch.rand(proj_dim, num_classes, dtype=torch.float64)
+        self.register_buffer("proto", simplex_etf(a).float())
+        self.scaling_train = nn.Parameter(torch.tensor(float(scale)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.proto.t()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return etf_logits(h.flatten(1), self.linear_proto.weight, self.linear_proto.bias, self.proto,
+                          self.scaling_train)
+
+
+def etf_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, proto: torch.Tensor,
+               scale: torch.Tensor) -> torch.Tensor:
+    """β · normalise(h Wᵀ + b) M: FedETF's logits (the normalisation divides by ‖u‖ clamped at 1e-12)."""
+    u = F.linear(h, w, b)
+    u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True).clamp(min=1e-12)
+    return scale * (u @ proto)
+
+
+@register("etf")
+def etf(in_features: int, num_classes: int, proj_dim: int | None = None, scale: float = 1.0,
+        seed: int = 0) -> ETFHead:
+    """FedETF's fixed simplex-ETF classifier behind a learnable projection and temperature.
+
+    Args:
+        proj_dim: dimension d' of the projection (and of the ETF); default C, as the authors' ResNets
+            (their CIFAR CNN uses 64); must be >= C
+        scale: initial learnable temperature β (``scaling_train``: 1.0 for their ResNets, 10.0 for
+            their CNN)
+        seed: seed of the ETF's random orthogonal basis and the projection's initial weights
+    """
+    proj_dim = num_classes if proj_dim is None else _check_int("etf", "proj_dim", proj_dim, 1)
+    if proj_dim < num_classes:
+        raise FedltError(f"head 'etf': proj_dim must be >= the number of classes {num_classes}, got {proj_dim}")
+    return ETFHead(in_features, num_classes, proj_dim, _check_positive("etf", "scale", scale),
+                   _check_int("etf", "seed", seed, 0))
+
+
+# -- attaching a head ---------------------------------------------------------------------------
+def _parent_of(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child is target:
+                return module, child_name
+    raise FedltError(f"{type(model).__name__}.get_classifier() returns a module that is not one of its children")
+
+
+def build_head(spec: dict[str, Any], in_features: int, num_classes: int) -> nn.Module:
+    """The head of ``spec`` (``{"name": ..., **params}``) for a d→C classifier."""
+    spec = dict(spec)
+    name = spec.pop("name")
+    fixed = sorted(set(spec) & set(_HEAD_KEYS))
+    if fixed:
+        raise FedltError(f"head {name!r}: {', '.join(fixed)} come(s) from the model, not the head spec")
+    try:
+        return REGISTRY.create(name, in_features=in_features, num_classes=num_classes, **spec)
+    except TypeError as exc:
+        raise FedltError(f"head {name!r}: {exc}") from None
+
+
+def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
+    """``model`` with its classifier (``get_classifier()``, a d→C linear layer) replaced by the
+    head of ``spec``, in place; returns the model."""
+    get_classifier = getattr(model, "get_classifier", None)
+    if get_classifier is None:
+        raise FedltError(f"{type(model).__name__} has no get_classifier(); a classifier head replaces it")
+    old = get_classifier()
+    if not isinstance(old, nn.Linear):
+        raise FedltError(f"{type(model).__name__}'s classifier is {type(old).__name__}, not a linear layer")
+    parent, name = _parent_of(model, old)
+    head = build_head(spec, old.in_features, old.out_features).to(old.weight.device)
+    setattr(parent, name, head)
+    return model
+
+
+__all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "build_head", "simplex_etf", "etf_logits",
+           "ETFHead"]
