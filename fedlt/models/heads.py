@@ -74,7 +74,8 @@ class ETFHead(nn.Module):
             torch.manual_seed(seed)
             self.linear_proto = nn.Linear(in_features, proj_dim)
             a = torch.rand(proj_dim, num_classes, dtype=torch.float64)
-        self.register_buffer("proto", simplex_etf(a).float())
+        # fixed and rebuilt from the seed on every node: not in the state_dict, never aggregated
+        self.register_buffer("proto", simplex_etf(a).float(), persistent=False)
         self.scaling_train = nn.Parameter(torch.tensor(float(scale)))
 
     @property
