@@ -114,6 +114,48 @@ def etf(in_features: int, num_classes: int, proj_dim: int | None = None, scale: 
                    _check_int("etf", "seed", seed, 0))
 
 
+class PrototypeHead(nn.Module):
+    """FedNH's head (Dai et al., AAAI 2023; the authors' ``Conv2CifarNH``): z = s · (h/‖h‖₂) Pᵀ
+    with ‖h‖ clamped at 1e-12, P the C×d class prototypes — fixed during local training (a buffer,
+    moved only by the server's semantic infusion; used as stored, as their code does for frozen
+    prototypes) — and s the learnable ``scaling``. ``weight`` is P."""
+
+    def __init__(self, in_features: int, num_classes: int, scale: float, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):  # the same prototypes on every node
+            torch.manual_seed(seed)
+            # FedUHClient._initialize_model's 'orthogonal' init: orthonormal rows when C <= d
+            prototype = nn.init.orthogonal_(torch.rand(num_classes, in_features))
+        self.register_buffer("prototype", prototype)
+        self.scaling = nn.Parameter(torch.tensor([float(scale)]))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.prototype
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return prototype_logits(h.flatten(1), self.prototype, self.scaling)
+
+
+def prototype_logits(h: torch.Tensor, prototype: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """s · normalise(h) Pᵀ: FedNH's logits."""
+    h = h / torch.linalg.vector_norm(h, dim=1, keepdim=True).clamp(min=1e-12)
+    return scale * (h @ prototype.t())
+
+
+@register("prototypes")
+def prototypes(in_features: int, num_classes: int, scale: float = 1.0, seed: int = 0) -> PrototypeHead:
+    """FedNH's class prototypes: uniformly spread (orthogonal) unit vectors, fixed on the
+    clients and moved by the server, behind a learnable scale.
+
+    Args:
+        scale: initial learnable scale s (``scaling``: 1.0 for the authors' Conv2Cifar, 20.0 for their ResNet)
+        seed: seed of the prototypes' orthogonal initialisation
+    """
+    return PrototypeHead(in_features, num_classes, _check_positive("prototypes", "scale", scale),
+                         _check_int("prototypes", "seed", seed, 0))
+
+
 # -- attaching a head ---------------------------------------------------------------------------
 def _parent_of(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
     for name, module in model.named_modules():
@@ -152,4 +194,4 @@ def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
 
 
 __all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "build_head", "simplex_etf", "etf_logits",
-           "ETFHead"]
+           "ETFHead", "PrototypeHead", "prototype_logits"]
