@@ -21,6 +21,7 @@ from fedlt.losses.base import (
     check_number,
     fail,
 )
+from fedlt.losses.fused.parts import OffsetCE
 from fedlt.losses.labelskew import weighted_ce_loss
 
 _EQL_KEYS = ("pos", "neg", "pos_neg")
@@ -142,6 +143,7 @@ class BalancedSoftmax(LossTerm):
     """
 
     name = "balanced_softmax"
+    fused_family = "ce"  # an offset cross-entropy: the fused path's OffsetCE part (docs/fused.md)
 
     def __init__(self, *, class_counts: Any, absent: str = "exclude") -> None:
         self.absent_rule = check_choice(self.name, "absent", absent, ("exclude", "one"))
@@ -153,14 +155,28 @@ class BalancedSoftmax(LossTerm):
         self.offset = DeviceCache(offset)
         self.absent = DeviceCache((~present if absent == "exclude" else torch.zeros_like(present)).to(torch.float64))
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, *,
-                 teacher_logits: torch.Tensor | None = None,
-                 params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         check_batch(self.name, logits, targets, self.num_classes)
         if self.absent_rule == "exclude" and bool(self.absent.like(logits).index_select(0, targets).any()):
             raise fail(self.name, "a target's class has class_counts 0; class_counts must be the "
                                   "client's counts over its whole local set")
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, *,
+                 teacher_logits: torch.Tensor | None = None,
+                 params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        fused = self.fused_value(logits, targets, teacher_logits)
+        if fused is not None:
+            return fused
+        self._check(logits, targets)
         return offset_ce_loss(logits, targets, self.offset.like(logits))
+
+    def fused_parts(self, logits, targets, teacher_logits, weight):
+        self._check(logits, targets)
+        return (OffsetCE(weight, self.offset),)
+
+    def ce_offset(self, num_classes: int) -> torch.Tensor | None:
+        """log n (−inf or 0 for an absent class, by ``absent``), float64, for SCALA's fused pair."""
+        return self.offset.vec if num_classes == self.num_classes else None
 
     def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits + self.offset.like(logits)
