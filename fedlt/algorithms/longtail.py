@@ -339,4 +339,17 @@ class FedNH(HeadFamily):
 
 register("fednh")(FedNH)
 
-__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "class_prototypes", "semantic_infusion"]
+# -- FedLoGe ----------------------------------------------------------------------------------
+class FedLoGe(HeadFamily):
+    """FedLoGe (Xiao et al., ICLR 2024), its global model as the authors' default evaluates it
+    (fedloge.py: ``cls_switch = "SSE-C"``, ``global_test_head = 'g_head'``): the backbone trained
+    with CE through the fixed static sparse equiangular classifier (the ``sse_c`` head), FedAvg.
+    Not built yet: the auxiliary global head g_aux and the clients' local heads (trained on
+    detached features) and their global/local feature realignment."""
+
+    head: HeadSpec = Field("sse_c", description="the classifier head: FedLoGe's fixed SSE-C")
+
+
+register("fedloge")(FedLoGe)
+
+__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe", "class_prototypes", "semantic_infusion"]

@@ -16,9 +16,11 @@ from the same weights as the server.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,6 +158,83 @@ def prototypes(in_features: int, num_classes: int, scale: float = 1.0, seed: int
                          _check_int("prototypes", "seed", seed, 0))
 
 
+def sparse_etf(feat_in: int, num_classes: int, rng: np.random.RandomState, beta: float = 0.6,
+               steps: int = 10_000) -> torch.Tensor:
+    """FedLoGe's static sparse equiangular classifier (d×C; the authors' ``ETF_Classifier`` and
+    ``gen_sparse_ETF``, util/etf_methods.py): a simplex ETF from ``rng.random((d, C))`` (cast to
+    float32, as theirs), ⌊β·d·C⌋ entries drawn by ``rng.choice`` set to 0, then ``steps`` Adam
+    steps (lr 1e-4) on the non-zero entries of Σ_c(‖m_c‖ − 0.1)² − mean_c arccos(max_{c'≠c} cos(m_c, m_c'))
+    (cosines clamped to ±0.99999), in float32 as theirs."""
+    # their ETF_Classifier's arithmetic: numpy's QR, then float32 throughout
+    p = torch.tensor(np.linalg.qr(rng.random(size=(feat_in, num_classes)))[0]).float()
+    centre = torch.eye(num_classes) - (1 / num_classes) * torch.ones(num_classes, num_classes)
+    etf = np.sqrt(num_classes / (num_classes - 1)) * torch.matmul(p, centre)
+    zero = rng.choice(feat_in * num_classes, int(beta * feat_in * num_classes), replace=False)
+    flat = etf.flatten()
+    flat[torch.from_numpy(zero)] = 0
+    m = flat.reshape(feat_in, num_classes).clone().requires_grad_(True)
+    mask = (m != 0).float()
+    optimiser = torch.optim.Adam([m], lr=0.0001)
+    for _ in range(steps):
+        optimiser.zero_grad()
+        norms = torch.norm(m, p=2, dim=0)  # their statements, in their order (float32 rounding alike)
+        norm_loss = torch.sum((norms - 0.1) ** 2)
+        unit = m / norms
+        cos = torch.mm(unit.t(), unit)
+        torch.diagonal(cos).fill_(-1)
+        angle_loss = -torch.acos(cos.max(dim=1)[0].clamp(-0.99999, 0.99999)).mean()
+        (norm_loss + angle_loss).backward()
+        m.grad *= mask
+        optimiser.step()
+    return m.detach()
+
+
+@functools.lru_cache(maxsize=8)
+def _sparse_etf_cached(feat_in: int, num_classes: int, sparsity: float, steps: int, seed: int) -> torch.Tensor:
+    """Once per process and setting: the 10 000 steps take ~20 s of CPU at d = 200, C = 10."""
+    return sparse_etf(feat_in, num_classes, np.random.RandomState(seed), sparsity, steps)
+
+
+class SparseETFHead(nn.Module):
+    """FedLoGe's global head ``g_head`` with the SSE-C (the authors' fedloge.py, ``cls_switch =
+    "SSE-C"``): z = h Wᵀ + b with W = the sparse ETF's transpose (C×d) and b a linear layer's
+    initial bias, both fixed (no optimiser of theirs holds ``g_head``): buffers here."""
+
+    def __init__(self, in_features: int, num_classes: int, sparsity: float, steps: int, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            bias = nn.Linear(in_features, num_classes).bias.detach().clone()
+        weight = _sparse_etf_cached(in_features, num_classes, sparsity, steps, seed).t().contiguous()
+        self.register_buffer("fixed_weight", weight, persistent=False)
+        self.register_buffer("fixed_bias", bias, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fixed_weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h.flatten(1), self.fixed_weight, self.fixed_bias)
+
+
+@register("sse_c")
+def sse_c(in_features: int, num_classes: int, sparsity: float = 0.6, steps: int = 10_000,
+          seed: int = 0) -> SparseETFHead:
+    """FedLoGe's static sparse equiangular classifier (SSE-C), fixed.
+
+    Args:
+        sparsity: fraction β of the ETF's entries set to 0 (the authors' beta=0.6)
+        steps: Adam steps that re-spread the sparse vectors (the authors' 10 000)
+        seed: seed of the ETF's basis, the zeroed entries and the fixed bias
+    """
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise FedltError(f"head 'sse_c': sparsity must be in [0, 1), got {sparsity!r}")
+    if num_classes < 2 or in_features < num_classes:
+        raise FedltError(f"head 'sse_c': needs 2 <= classes <= the representation size {in_features}")
+    return SparseETFHead(in_features, num_classes, float(sparsity), _check_int("sse_c", "steps", steps, 0),
+                         _check_int("sse_c", "seed", seed, 0))
+
+
 # -- attaching a head ---------------------------------------------------------------------------
 def _parent_of(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
     for name, module in model.named_modules():
@@ -194,4 +273,4 @@ def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
 
 
 __all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "build_head", "simplex_etf", "etf_logits",
-           "ETFHead", "PrototypeHead", "prototype_logits"]
+           "ETFHead", "PrototypeHead", "prototype_logits", "SparseETFHead", "sparse_etf"]

@@ -20,8 +20,8 @@ def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
 
     Properties: [builds]; [logits] (a batch of representations gives finite (B, C) logits and
     the head's ``weight`` is C×d'); [same on every node] (two builds are identical: parameters and
-    buffers); [fixed part stays fixed] (an SGD step on CE moves no buffer and reaches every
-    parameter with a finite gradient); [attaches] (on fedlt's ``mlp`` the model's logits come
+    buffers); [fixed part stays fixed] (an SGD step on CE moves no buffer; every parameter and
+    the representation get a finite gradient); [attaches] (on fedlt's ``mlp`` the model's logits come
     from the head and ``get_classifier()`` returns it); [state round trip] (a fresh head loaded
     with a trained one's ``state_dict`` gives the same logits).
     """
@@ -51,14 +51,19 @@ def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
         c.check(isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == C, "logits",
                 f"weight has shape {tuple(getattr(weight, 'shape', ()))}, expected ({C}, d')")
         before = {k: v.clone() for k, v in first.named_buffers()}
-        optimiser = torch.optim.SGD(first.parameters(), lr=0.5)
+        trainable = list(first.parameters())  # a wholly fixed head (FedLoGe's SSE-C) has none
         with c.property("fixed part stays fixed"):
-            F.cross_entropy(first(h), y).backward()
-            optimiser.step()
+            loss = F.cross_entropy(first(h.requires_grad_()), y)
+            loss.backward()
+            if trainable:
+                torch.optim.SGD(trainable, lr=0.5).step()
         moved = [k for k, v in first.named_buffers() if not torch.equal(v, before[k])]
         c.check(not moved, "fixed part stays fixed", f"an SGD step moved the buffers {moved}")
         bad = [n for n, p in first.named_parameters() if p.grad is None or not bool(torch.isfinite(p.grad).all())]
         c.check(not bad, "fixed part stays fixed", f"parameters {bad} got no finite gradient")
+        c.check(h.grad is not None and bool(torch.isfinite(h.grad).all()), "fixed part stays fixed",
+                "the representation got no finite gradient through the head (the backbone could not learn)")
+        h = h.detach()
 
         with c.property("attaches"):
             model = heads.attach(fedlt.models.build("mlp", in_chans=1, num_classes=C, image_size=4), spec)
