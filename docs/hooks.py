@@ -37,7 +37,7 @@ KIND_INTRO = {
     "augmentations": "Training-time transforms (`--augment`, e.g. `random_crop(padding=4) + hflip`), batched on "
                      "tensors, drawing from each client's own random stream (see [Augmentation](../augmentation.md)).",
     "heads": "Classifier heads that replace a model's linear classifier (an algorithm's `head` parameter, e.g. "
-             "FedETF's fixed simplex ETF, FedNH's class prototypes); the representation size and the classes come "
+             "FedETF's fixed simplex ETF, FedNH's class prototypes, FedLoGe's SSE-C); the representation size and the classes come "
              "from the model (see [Algorithms](../algorithms.md#long-tail-methods-after-fed-grab-issue-33)).",
     "datasets": "Datasets (`--dataset`, a name or a spec such as `imagefolder(image_size=96)`); MNIST ships inside "
                 "the package, the torchvision sets are read from `--data-root`, `arrays` reads your own NumPy files "
