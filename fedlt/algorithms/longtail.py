@@ -6,6 +6,8 @@ piece of server state:
 |---|---|---|---|
 | ``fedetf`` | classifier → ``etf`` head (projection, fixed simplex ETF, learnable β) | objective ``balanced_softmax(absent='one')`` | — |
 | ``fedlf`` | unchanged | ``parts``: the objective on FedRS-scaled logits h·Wᵀ ⊙ a, + λ·L1 to the class centres | class centres f_G, similarity-weighted |
+| ``fednh`` | classifier → ``prototypes`` head | ``end``: the client's class prototypes | semantic infusion of the prototypes |
+| ``fedloge`` | classifier → ``sse_c`` head (fixed) | — | — (g_aux, local heads, realignment: not built) |
 
 A head is attached to every model the algorithm builds (the server's, each process's work
 module, and a model a client builds for itself), so every engine runs the same architecture.
@@ -13,6 +15,7 @@ module, and a model a client builds for itself), so every engine runs the same a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ from pydantic import AfterValidator, Field
 from torch import nn
 
 from fedlt.algorithms import register
-from fedlt.algorithms.base import AggregatorSpec, RunContext, as_spec, build_aggregator
+from fedlt.algorithms.base import AggregatorSpec, LossExpression, RunContext, as_spec, build_aggregator
 from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy, client_update
 from fedlt.algorithms.protocol import ClientResult, ClientTask
 from fedlt.algorithms.stateful import decorrelation_loss, features_of
@@ -88,8 +91,6 @@ class HeadFamily(FedAvgFamily):
 
 
 def _replace_build(ctx: RunContext, build) -> RunContext:
-    import dataclasses
-
     return dataclasses.replace(ctx, build_model=build)
 
 
@@ -99,7 +100,7 @@ class FedETF(HeadFamily):
     and a learnable temperature β — trained with the balanced softmax loss on the client's counts,
     an absent class counted as one sample (the authors' ``client_fedetf``); FedAvg aggregation."""
 
-    loss: str = Field("balanced_softmax(absent='one')", description="the local objective, a loss expression")
+    loss: LossExpression = Field("balanced_softmax(absent='one')", description="the local objective, a loss expression")
     head: HeadSpec = Field("etf", description="the classifier head: FedETF's projection + fixed simplex ETF")
 
 
