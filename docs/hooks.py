@@ -19,7 +19,7 @@ from mkdocs.structure.files import File  # noqa: E402
 # Titles and introductions of the kinds known today; a kind without one still gets a page.
 KIND_TITLES = {"algorithms": "Algorithms", "partitioners": "Partitioners", "losses": "Loss terms",
                "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets",
-               "augmentations": "Augmentations"}
+               "augmentations": "Augmentations", "heads": "Classifier heads"}
 KIND_INTRO = {
     "algorithms": "Registered compositions of the library's parts (`--algo`). Parameters go in "
                   "`algorithm_params` (or `--loss`, `--client-loss`, `--server-loss`, `--aggregator`); the "
@@ -36,6 +36,9 @@ KIND_INTRO = {
     "aggregators": "Server-side aggregation of the clients' models (`--aggregator`).",
     "augmentations": "Training-time transforms (`--augment`, e.g. `random_crop(padding=4) + hflip`), batched on "
                      "tensors, drawing from each client's own random stream (see [Augmentation](../augmentation.md)).",
+    "heads": "Classifier heads that replace a model's linear classifier (an algorithm's `head` parameter, e.g. "
+             "FedETF's fixed simplex ETF, FedNH's class prototypes, FedLoGe's SSE-C); the representation size and the classes come "
+             "from the model (see [Algorithms](../algorithms.md#long-tail-methods-after-fed-grab-issue-33)).",
     "datasets": "Datasets (`--dataset`, a name or a spec such as `imagefolder(image_size=96)`); MNIST ships inside "
                 "the package, the torchvision sets are read from `--data-root`, `arrays` reads your own NumPy files "
                 "and `imagefolder` streams image files from disk (see [Datasets](../datasets.md)).",

@@ -27,6 +27,7 @@ def registries() -> dict[str, Registry]:
     import fedlt.datasets
     import fedlt.losses
     import fedlt.models
+    import fedlt.models.heads
     import fedlt.partitioners
     import fedlt.posthoc
     from fedlt.algorithms import split_client, split_server
@@ -38,7 +39,7 @@ def registries() -> dict[str, Registry]:
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
             "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
-            "augmentations": fedlt.augment.REGISTRY}
+            "augmentations": fedlt.augment.REGISTRY, "heads": fedlt.models.heads.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:
@@ -48,7 +49,8 @@ def supplied(kind: str) -> tuple[str, ...]:
 
     engine = ("config", "resume", "on_round", "on_start", "options")  # what the run loop passes an engine
     return {"losses": SETUP_KEYS, "models": DATASET_KEYS, "datasets": ("root", "download"),
-            "engines": engine, "posthoc": ("model",)}.get(kind, ())
+            "engines": engine, "posthoc": ("model",),
+            "heads": ("in_features", "num_classes")}.get(kind, ())
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ EXPRESSIONS = [
     "logit_suppression", "logit_suppression(variant='paper')", "fedvls", "fedvls(lam=0.5) + ce",
     "logit_adjust - 0.3*logit_suppression(variant='paper') + 0.1*vacant_kd",
     "fedlc + logit_suppression", "2*ce + logit_adjust",
+    "balanced_softmax", "balanced_softmax(absent='one') + 0.1*vacant_kd",  # FedETF's objective (issue 33)
 ]
 
 

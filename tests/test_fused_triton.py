@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 tk = pytest.importorskip("fedlt.losses.fused.triton_kernels")
 
 EXPRESSIONS = ["fedvls", "logit_adjust", "ce + fedlc(tau=0.5)", "logit_suppression(variant='paper')",
-               "vacant_kd(T=2) + 0.5*logit_suppression", "2*ce + logit_adjust - 0.2*vacant_kd"]
+               "vacant_kd(T=2) + 0.5*logit_suppression", "2*ce + logit_adjust - 0.2*vacant_kd",
+               "balanced_softmax(absent='one')"]  # FedETF's objective (issue 33)
 
 
 def problem(B, C, seed, scale=1.0, one_label=False):

@@ -17,9 +17,11 @@ from fedlt.losses.base import (
     LossTerm,
     as_counts,
     check_batch,
+    check_choice,
     check_number,
     fail,
 )
+from fedlt.losses.fused.parts import OffsetCE
 from fedlt.losses.labelskew import weighted_ce_loss
 
 _EQL_KEYS = ("pos", "neg", "pos_neg")
@@ -129,34 +131,58 @@ class LDAM(LossTerm):
 @register("balanced_softmax")
 class BalancedSoftmax(LossTerm):
     """Balanced Softmax (Ren et al., NeurIPS'20; the authors' ``balanced_softmax_loss``):
-    CE(z + log n, y). A class with n_c = 0 takes no part in the softmax (offset −inf: probability
-    exactly 0, gradient exactly 0, no NaN), as log 0 does in the authors' code; a target of such
-    a class is an error (the counts must cover the client's whole local set). Equal to
-    ``logit_adjust(tau=1)`` on the present classes, up to that term's eps.
+    CE(z + log n, y). With ``absent="exclude"`` (default) a class with n_c = 0 takes no part in the
+    softmax (offset −inf: probability exactly 0, gradient exactly 0, no NaN), as log 0 does in the
+    authors' code; a target of such a class is an error (the counts must cover the client's whole
+    local set). Equal to ``logit_adjust(tau=1)`` on the present classes, up to that term's eps.
+    ``absent="one"`` counts an absent class as one sample (offset log 1 = 0), as FedETF's code
+    does (``nodes.py``: ``torch.where(sample_per_class > 0, sample_per_class, 1)``).
+
+    Args:
+        absent: ``exclude`` a class with no sample from the softmax, or count it as ``one`` sample (FedETF)
     """
 
     name = "balanced_softmax"
+    fused_family = "ce"  # an offset cross-entropy: the fused path's OffsetCE part (docs/fused.md)
 
-    def __init__(self, *, class_counts: Any) -> None:
+    def __init__(self, *, class_counts: Any, absent: str = "exclude") -> None:
+        self.absent_rule = check_choice(self.name, "absent", absent, ("exclude", "one"))
         n = as_counts(class_counts, self.name)
         self.num_classes = n.numel()
         present = n > 0
-        offset = torch.full_like(n, float("-inf"))
+        offset = torch.full_like(n, float("-inf") if absent == "exclude" else 0.0)
         offset[present] = torch.log(n[present])
         self.offset = DeviceCache(offset)
-        self.absent = DeviceCache((~present).to(torch.float64))
+        self.absent = DeviceCache((~present if absent == "exclude" else torch.zeros_like(present)).to(torch.float64))
+
+    def _check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        check_batch(self.name, logits, targets, self.num_classes)
+        if self.absent_rule == "exclude" and bool(self.absent.like(logits).index_select(0, targets).any()):
+            raise fail(self.name, "a target's class has class_counts 0; class_counts must be the "
+                                  "client's counts over its whole local set")
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, *,
                  teacher_logits: torch.Tensor | None = None,
                  params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        check_batch(self.name, logits, targets, self.num_classes)
-        if bool(self.absent.like(logits).index_select(0, targets).any()):
-            raise fail(self.name, "a target's class has class_counts 0; class_counts must be the "
-                                  "client's counts over its whole local set")
+        fused = self.fused_value(logits, targets, teacher_logits)
+        if fused is not None:
+            return fused
+        self._check(logits, targets)
         return offset_ce_loss(logits, targets, self.offset.like(logits))
+
+    def fused_parts(self, logits, targets, teacher_logits, weight):
+        self._check(logits, targets)
+        return (OffsetCE(weight, self.offset),)
+
+    def ce_offset(self, num_classes: int) -> torch.Tensor | None:
+        """log n (−inf or 0 for an absent class, by ``absent``), float64, for SCALA's fused pair."""
+        return self.offset.vec if num_classes == self.num_classes else None
 
     def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits + self.offset.like(logits)
+
+    def __repr__(self) -> str:
+        return self.name if self.absent_rule == "exclude" else f"balanced_softmax(absent={self.absent_rule!r})"
 
 
 @register("focal")

@@ -17,6 +17,7 @@ with the component and the name of the property, e.g.
 | loss term | :func:`check_loss_term` |
 | partitioner | :func:`check_partitioner` |
 | model / splitter | :func:`check_model`, :func:`check_splitter` |
+| classifier head | :func:`check_head` |
 | aggregator | :func:`check_aggregator` |
 | dataset | :func:`check_dataset` |
 | algorithm | :func:`check_algorithm` |
@@ -28,11 +29,12 @@ from fedlt.testing.base import ContractError
 from fedlt.testing.losses import check_loss_term
 from fedlt.testing.partitioners import check_partitioner
 from fedlt.testing.models import check_model, check_splitter
+from fedlt.testing.heads import check_head
 from fedlt.testing.aggregators import check_aggregator
 from fedlt.testing.datasets import check_dataset
 from fedlt.testing.algorithms import check_algorithm
 from fedlt.testing.engines import check_engines
 from fedlt.testing.parallel import check_parallel
 
-__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter",
+__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter", "check_head",
            "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel"]
