@@ -107,19 +107,17 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_differences(reference: Path, resumed: Path, summaries: tuple[dict, dict] | None = None,
-                    parts: tuple[str, ...] = ("algorithm", "client_states"), metrics: bool = True) -> list[str]:
-    """Where a resumed run differs from the uninterrupted one, bit for bit, first field first:
-    the summary (``summaries``: reference's, resumed's; wall time aside), every metrics row
-    (wall-clock fields aside), then the checkpointed ``parts``."""
-    found = []
-    if summaries is not None:
-        a, b = ({k: v for k, v in s.items() if k != "wall_time_s"} for s in summaries)
-        found += differences(a, b, 0.0, "summary", rtol=0.0)
-    if metrics:
-        a, b = metric_rows(reference), metric_rows(resumed)
-        found += differences({f"round {r['round']}": r for r in a}, {f"round {r['round']}": r for r in b}, 0.0,
-                             "metrics.jsonl", rtol=0.0)
+                    parts: tuple[str, ...] = ("algorithm", "client_states")) -> list[str]:
+    """Where a resumed run differs from the uninterrupted one, bit for bit, earliest first: every
+    metrics row in round order (wall-clock fields aside), the checkpointed ``parts``, then the
+    summary (``summaries``: reference's, resumed's; wall time aside)."""
+    a, b = metric_rows(reference), metric_rows(resumed)
+    found = differences({f"round {r['round']}": r for r in a}, {f"round {r['round']}": r for r in b}, 0.0,
+                        "metrics.jsonl", rtol=0.0)
     ends = [io.load_checkpoint(Path(d) / "checkpoint.pt") for d in (reference, resumed)]
     for part in parts:
         found += differences(ends[0][part], ends[1][part], 0.0, f"checkpoint {part}", rtol=0.0)
+    if summaries is not None:
+        a, b = ({k: v for k, v in s.items() if k != "wall_time_s"} for s in summaries)
+        found += differences(a, b, 0.0, "summary", rtol=0.0)
     return found
