@@ -17,7 +17,8 @@ from fedlt.errors import FedltError
 
 
 SUPPLIED_BY = {"losses": "the client's data, the round, the global model", "models": "from the dataset",
-               "datasets": "--data-root, --download", "engines": "the run's settings and callbacks", "posthoc": "the global model"}
+               "datasets": "--data-root, --download", "engines": "the run's settings and callbacks",
+               "posthoc": "the global model"}
 SUPPLIED = "supplied"  # the default column of a parameter fedlt fills in: no user sets it
 
 

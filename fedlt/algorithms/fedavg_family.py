@@ -46,8 +46,9 @@ class ClientUpdate:
     ``end`` (once: the client's new persistent state and the extras the strategy reads), then
     ``upload`` (once: the weights the client sends back for aggregation; its trained weights by
     default, FedDC's θ + h in a drift-decoupling variant). A variant that adds a term to the
-    loss adds a named part, so a non-finite step names the part that produced it. Subclasses are plain, picklable dataclasses holding their
-    hyper-parameters only: nothing is carried between calls.
+    loss adds a named part, so a non-finite step names the part that produced it. Subclasses
+    are plain, picklable dataclasses holding their hyper-parameters only: nothing is carried
+    between calls.
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:

@@ -7,7 +7,8 @@ moments, control variates, server optimiser, ...) and the same client states, co
 kernels may round differently — measured up to 1.2e-6 on weights of SFL-LocalLoss; everything
 else exactly); and the Flower run's directory as a kill after round 1 leaves it, resumed with
 the same settings, must end exactly where the uninterrupted Flower run does (metrics rows and
-checkpointed states, bit for bit; the first field that differs is named). All algorithms share ONE simulation (Ray starts once).
+checkpointed states, bit for bit; the first field that differs is named). All algorithms share
+ONE simulation (Ray starts once).
 
 Flower runs each client in another process, which finds the algorithm by its registered name:
 check a built-in or an installed plugin's entry point, not an object registered in this process.
