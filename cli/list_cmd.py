@@ -16,23 +16,30 @@ from fedlt.components import docstring, parameters, registries, summary_line, su
 from fedlt.errors import FedltError
 
 
-SUPPLIED_BY = {"losses": "set by fedlt each round (the client's data, the global model)",
-               "models": "set by fedlt from the dataset", "datasets": "set by fedlt run (--data-root, --download)"}
+SUPPLIED_BY = {"losses": "the client's data, the round, the global model", "models": "from the dataset",
+               "datasets": "--data-root, --download", "engines": "the run's settings and callbacks",
+               "posthoc": "the global model"}
+SUPPLIED = "supplied"  # the default column of a parameter fedlt fills in: no user sets it
 
 
 def show_component(kind: str, name: str) -> None:
-    """One component: where it comes from, its parameters with defaults, and its docstring."""
+    """One component: where it comes from, its parameters with defaults (those fedlt supplies
+    itself last, marked as supplied), and its docstring."""
     reg = registries()[kind]
     obj = reg.get(name)
     console = Console()
     console.print(f"[bold]{name}[/bold]  ({kind}, {reg.origin(name)})", highlight=False)
-    params = parameters(obj)
+    auto = supplied(kind)
+    params = sorted(parameters(obj), key=lambda p: p.name in auto)  # stable: the user's first, in order
     if params:
         table = Table("parameter", "default", "type", "description")
-        auto = supplied(kind)
         for p in params:
-            table.add_row(*map(escape, (p.name, p.default, p.annotation,
-                                        p.description or (SUPPLIED_BY[kind] if p.name in auto else ""))))
+            if p.name in auto:
+                why = f"set by fedlt ({SUPPLIED_BY.get(kind, 'the run')})"
+                row = (p.name, SUPPLIED, p.annotation, f"{why}: {p.description}" if p.description else why)
+            else:
+                row = (p.name, p.default, p.annotation, p.description)
+            table.add_row(*map(escape, row))
         console.print(table)
     else:
         console.print("no parameters")

@@ -77,8 +77,7 @@ def _pydantic(cls: type, instance: Any = None) -> list[Param]:
             default = _text(field.default_factory())
         else:
             default = _text(field.default)
-        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
-        out.append(Param(name, default, annotation, _field_description(cls, name)))
+        out.append(Param(name, default, type_text(field.annotation), _field_description(cls, name)))
     return out
 
 
@@ -113,9 +112,20 @@ def parameters(obj: Any) -> list[Param]:
     out = []
     for p in named:
         default = "required" if p.default is p.empty else _text(p.default)
-        annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
-        out.append(Param(p.name, default, "" if annotation is p.empty else str(annotation), described.get(p.name, "")))
+        out.append(Param(p.name, default, type_text(p.annotation, p.default), described.get(p.name, "")))
     return out
+
+
+def type_text(annotation: Any, default: Any = inspect.Parameter.empty) -> str:
+    """A parameter's type as a reader writes it (``float``, ``dict[str, int]``, ``int | None``);
+    for an unannotated one, its default's type, else ``any``."""
+    if annotation is inspect.Parameter.empty:
+        return "any" if default is inspect.Parameter.empty or default is None else type(default).__name__
+    if isinstance(annotation, str):  # postponed (``from __future__ import annotations``): as written
+        return annotation
+    if isinstance(annotation, type):  # a class: its own name, not its module path
+        return annotation.__qualname__
+    return inspect.formatannotation(annotation).replace("typing.", "")
 
 
 ARGS_HEADING = "Args:"

@@ -97,3 +97,33 @@ def test_progress_shows_the_last_evaluated_accuracy_with_its_round():
     # a round that is not evaluated keeps showing the last accuracy and where it came from
     assert status({"round": 6, "train_loss": 1.25}) == "loss 1.2500  acc 0.651 (r5)"
     assert status({"round": 10, "train_loss": 1.0, "accuracy": 0.7}) == "loss 1.0000  acc 0.700 (r10)"
+
+
+def test_list_shows_types_readably_and_marks_what_fedlt_supplies(capsys):
+    """An unannotated parameter shows its default's type (or ``any``), never inspect's ``_empty``;
+    a parameter fedlt fills in itself (a loss's ``class_counts`` and round fields) is marked
+    ``supplied`` in the default column, listed after the ones a user sets, never as ``required``."""
+    import fedlt.losses
+
+    class Plain(fedlt.losses.LossTerm):
+        """A term whose parameters carry no annotations."""
+
+        name = "plain_term"
+
+        def __init__(self, class_counts, rounds, weight=0.5, table=None, mode="a"):
+            pass
+
+    with fedlt.losses.REGISTRY.temporary("plain_term", Plain):
+        main(["list", "losses", "plain_term"])
+    rows = {cells[0]: cells[1:] for cells in (
+        [c.strip() for c in line.split("│")[1:-1]] for line in capsys.readouterr().out.splitlines() if "│" in line)
+        if cells[0]}
+    assert list(rows) == ["weight", "table", "mode", "class_counts", "rounds"]  # the user's first
+    assert rows["weight"][:2] == ["0.5", "float"] and rows["table"][:2] == ["None", "any"]
+    assert rows["mode"][:2] == ["'a'", "str"]
+    for name in ("class_counts", "rounds"):
+        assert rows[name][0] == "supplied" and rows[name][1] == "any" and rows[name][2].startswith("set by fedlt")
+    main(["list", "models", "mlp"])  # annotated and supplied: the dataset's shape
+    out = capsys.readouterr().out
+    assert "_empty" not in out and all(f"│ {k}" in out for k in ("in_chans", "num_classes", "image_size"))
+    assert "required" not in out and out.count("supplied") == 3

@@ -366,8 +366,30 @@ class ForgetfulAlgorithm(FedAvgFamily):
         return metrics
 
 
-def test_an_algorithm_that_does_not_resume_exactly_fails():
-    fails("exact resume", check_algorithm, ForgetfulAlgorithm)
+def test_an_algorithm_that_does_not_resume_exactly_fails_naming_the_first_field_that_differs():
+    message = fails("exact resume", check_algorithm, ForgetfulAlgorithm)
+    # round 1 is the same in both (the cut is taken after it); round 2 is the first that differs
+    assert "metrics.jsonl.round 2." in message and "round 1." not in message, message
+
+
+class WarmupCE(LossTerm):
+    """docs/losses.md's round-dependent term: CE scaled by (round_index + 1) / rounds."""
+
+    name = "warmup_ce"
+
+    def __init__(self, *, round_index: int, rounds: int) -> None:
+        self.scale = (round_index + 1) / rounds
+
+    def __call__(self, logits, targets, *, teacher_logits=None, params=None):
+        return self.scale * torch.nn.functional.cross_entropy(logits, targets)
+
+
+def test_a_term_that_reads_rounds_resumes_exactly():
+    """The resume contract cuts a run with the SAME ``rounds`` (as a kill leaves it): a term that
+    reads ``rounds`` gives the same numbers in both runs and passes. Cutting a 1-round run and
+    extending it to 2 gave round 1 a scale of 1 instead of 1/2: a false failure."""
+    with fedlt.losses.REGISTRY.temporary("warmup_ce", WarmupCE):
+        check_algorithm("fedavg", {"loss": "warmup_ce"})
 
 
 def test_a_plugin_component_given_as_an_object_passes_like_a_builtin():

@@ -205,3 +205,50 @@ def test_the_python_examples_run(page):
             exec(compile(code, f"{page.name} example {i + 1}", "exec"), namespace)
         except Exception as exc:
             pytest.fail(f"{page.name} example {i + 1} fails: {type(exc).__name__}: {exc}")
+
+
+# -- docs/plugins.md: its listings are the example's files, its contract table is complete ----------
+PLUGINS_MD = ROOT / "docs" / "plugins.md"
+LISTING = re.compile(r"^<!-- listing: (\S+) -->\n```\w+\n(.*?)^```", re.S | re.M)
+
+
+def test_every_plugins_md_listing_is_its_files_code_with_the_imports():
+    """Each listing is a run of its file's lines (dedented as a block), tagged with the file; every
+    fenced block of the page is a listing; each listed module of the example shows all its imports."""
+    import ast
+    import textwrap
+
+    text = PLUGINS_MD.read_text()
+    listings = LISTING.findall(text)
+    assert len(listings) == len(re.findall(r"^```\w+\n", text, re.M)) >= 10, "a fenced block without a listing tag"
+    shown: dict[str, list[str]] = {}
+    for path, code in listings:
+        lines, want = (ROOT / path).read_text().splitlines(), code.splitlines()
+        excerpts = (textwrap.dedent("\n".join(lines[i:i + len(want)])) for i in range(len(lines))
+                    if lines[i].strip() == want[0].strip())
+        assert code.rstrip("\n") in excerpts, f"docs/plugins.md: a listing is not {path}'s code: {want[0]!r}"
+        shown.setdefault(path, []).append(code)
+    for path, codes in shown.items():
+        if path.startswith("plugins/") and path.endswith(".py"):
+            source = (ROOT / path).read_text()
+            for node in ast.parse(source).body:
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    statement = ast.get_source_segment(source, node)
+                    assert any(statement in c for c in codes), f"docs/plugins.md omits {path}'s {statement!r}"
+    assert {"plugins/fedlt-example/src/fedlt_example/fedcm.py", "plugins/fedlt-example/src/fedlt_example/feddc.py",
+            "fedlt/algorithms/fedavg_family.py"} <= set(shown)
+
+
+def test_the_plugins_md_contract_table_has_every_public_check_with_its_signature():
+    """A row per public ``check_*`` of fedlt.testing, written with every parameter it takes."""
+    import inspect
+
+    import fedlt.testing
+
+    rows = dict(re.findall(r"^\| `(check_\w+)\((.*?)\)` \|", PLUGINS_MD.read_text(), re.M))
+    public = {n for n in fedlt.testing.__all__ if n.startswith("check_")}
+    assert set(rows) == public, f"missing {public - set(rows)}, stale {set(rows) - public}"
+    for name, written in rows.items():
+        for p in inspect.signature(getattr(fedlt.testing, name)).parameters.values():
+            spelled = f"**{p.name}" if p.kind is p.VAR_KEYWORD else p.name
+            assert re.search(rf"(^|[\s(,*]){re.escape(spelled)}\b", written), f"{name}: {spelled} not in {written!r}"

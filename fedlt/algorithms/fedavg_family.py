@@ -43,10 +43,12 @@ class ClientUpdate:
     ``begin`` (once: what this round's variant needs, returned as ``local``), per step
     ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
     ``.backward()`` of their sum) and ``correct`` (edits the gradients before clipping), then
-    ``end`` (once: the client's new persistent state and the extras the strategy reads). A
-    variant that adds a term to the loss adds a named part, so a non-finite step names the part
-    that produced it. Subclasses are plain, picklable dataclasses holding their
-    hyper-parameters only: nothing is carried between calls.
+    ``end`` (once: the client's new persistent state and the extras the strategy reads), then
+    ``upload`` (once: the weights the client sends back for aggregation; its trained weights by
+    default, FedDC's θ + h in a drift-decoupling variant). A variant that adds a term to the
+    loss adds a named part, so a non-finite step names the part that produced it. Subclasses
+    are plain, picklable dataclasses holding their hyper-parameters only: nothing is carried
+    between calls.
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
@@ -81,7 +83,7 @@ class ClientUpdate:
         train_loss = check_parts(parts, steps, task)
         own, extras = self.end(local, task, model, params, steps)
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        weights = self.upload(local, task, model, own)
         return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
@@ -106,6 +108,13 @@ class ClientUpdate:
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the client's own persistent state, beside its loss terms'; extras for the strategy)."""
         return {}, {}
+
+    def upload(self, local: Any, task: ClientTask, model: nn.Module, state: dict[str, Any]) -> State:
+        """What the client sends back as its model — the strategy aggregates it as the client's
+        weights: by default copies of the trained weights (every key of the model's state dict).
+        ``state`` is the client's new own state from ``end``. Return every key of the state dict,
+        in its dtypes, as new tensors: ``model`` is a work module the next client overwrites."""
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:

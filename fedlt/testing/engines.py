@@ -5,9 +5,10 @@ simulation must end with the same global weights, the same server-side state (ag
 moments, control variates, server optimiser, ...) and the same client states, contents compared
 (floating tensors within 1e-6 + 1e-5·|value|: a client's work runs in another process, whose
 kernels may round differently — measured up to 1.2e-6 on weights of SFL-LocalLoss; everything
-else exactly); and a
-Flower run cut after round 1 and resumed must end exactly where the uninterrupted Flower run
-does. All algorithms share ONE simulation (Ray starts once).
+else exactly); and the Flower run's directory as a kill after round 1 leaves it, resumed with
+the same settings, must end exactly where the uninterrupted Flower run does (metrics rows and
+checkpointed states, bit for bit; the first field that differs is named). All algorithms share
+ONE simulation (Ray starts once).
 
 Flower runs each client in another process, which finds the algorithm by its registered name:
 check a built-in or an installed plugin's entry point, not an object registered in this process.
@@ -23,42 +24,15 @@ from typing import Any
 
 from fedlt import io
 from fedlt.testing.algorithms import TINY, split_model_for
-from fedlt.testing.base import Contract
+from fedlt.testing.base import Contract, cut_after, differences, run_differences
+
+__all__ = ["check_engines", "differences", "drop_pattern"]  # differences: also imported from here by older code
 
 Case = "str | tuple[str, dict[str, Any]]"
 
 
 def _label(name: str, params: dict[str, Any]) -> str:
     return name + (f"({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else "")
-
-
-def differences(a: Any, b: Any, atol: float, path: str = "", rtol: float | None = None) -> list[str]:
-    """Where two nested states differ: keys, types, shapes, dtypes, values (floating tensors
-    elementwise within ``atol + rtol·|b|``, ``rtol`` 10·atol by default; everything else exactly)."""
-    rtol = 10 * atol if rtol is None else rtol
-    import torch
-
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path or 'state'}: keys {sorted(map(str, set(a) ^ set(b)))[:5]} in one only"]
-        return [d for k in a for d in differences(a[k], b[k], atol, f"{path}.{k}" if path else str(k), rtol)]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: lengths {len(a)} and {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, atol, f"{path}[{i}]", rtol)]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return [f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
-        if a.is_floating_point():
-            excess = (a.double() - b.double()).abs() - (atol + rtol * b.double().abs())
-            if a.numel() and not float(excess.max()) <= 0:
-                gap = float((a.double() - b.double()).abs().max())
-                return [f"{path}: differs by up to {gap:.3g} (beyond {atol:g} + {rtol:g}·|value|)"]
-            return []
-        return [] if torch.equal(a, b) else [f"{path}: differs"]
-    if isinstance(a, float) and isinstance(b, float):
-        return [] if abs(a - b) <= atol or a == b else [f"{path}: {a} vs {b}"]
-    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
 def drop_pattern(config: Any) -> dict[str, Any]:
@@ -92,40 +66,38 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
         configs, jobs, resumes = [], [], []
         for k, (name, params, own) in enumerate(normalised):
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
-            base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params)
+            base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=2)
             base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
             if drops:
                 base.update(drop_pattern(RunConfig(**base, out=Path(tmp) / "probe")))
             make = lambda where, **more: RunConfig(**{**base, **more, "out": Path(tmp) / f"{k}-{where}"})  # noqa: E731
-            configs.append((make("local", rounds=2), make("flower", rounds=2, engine="flower"),
-                            make("resumed", rounds=1, engine="flower"), make("resumed", rounds=2, engine="flower"),
-                            make("local-cut", rounds=1)))
-            jobs.append(Job(configs[-1][1]))
+            local, flower, resumed = make("local"), make("flower", engine="flower"), make("resumed", engine="flower")
+            configs.append((local, flower, resumed, Path(tmp) / f"{k}-local-cut"))
             resumes.append(resume if isinstance(resume, bool) else name in resume)
+            # the Flower run's directory as a kill after round 1 leaves it, resumed with the same settings
+            jobs.append(Job(flower, on_round=cut_after(1, flower.out, resumed.out) if resumes[-1] else None))
             if resumes[-1]:
-                jobs += [Job(configs[-1][2]), Job(configs[-1][3], resume=True)]
+                jobs.append(Job(resumed, resume=True))
         for local, *_, cut in configs:
-            run(local)
-            if drops:
-                run(cut)
+            run(local, on_round=cut_after(1, local.out, cut) if drops else None)
         simulate(jobs)
-        for (name, params, own), (local, flower, _, resumed, cut), resume in zip(normalised, configs, resumes):
+        for (name, params, own), (local, flower, resumed, cut), resume in zip(normalised, configs, resumes):
             c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
             ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt")
-                    for key, cfg in (("local", local), ("flower", flower), ("resumed", resumed)) if resume or key != "resumed"}
+                    for key, cfg in (("local", local), ("flower", flower))}
             for part, what in (("algorithm", "global model and server state"), ("client_states", "client states")):
                 found = differences(ends["local"][part], ends["flower"][part], atol)
                 c.check(not found, "same answer on every engine",
                         f"{what} after 2 rounds differ between local and flower: {'; '.join(found[:3])}")
-                if resume:
-                    found = differences(ends["flower"][part], ends["resumed"][part], 0.0)
-                    c.check(not found, "exact resume on flower",
-                            f"{what}: cut after round 1 and resumed differs from uninterrupted: {'; '.join(found[:3])}")
+            if resume:
+                found = run_differences(flower.out, resumed.out)
+                c.check(not found, "exact resume on flower", "cut after round 1 (same settings) and resumed differs "
+                        f"from the uninterrupted run: {'; '.join(found[:3])}")
             if drops:
                 rows = [json.loads(line) for line in (Path(local.out) / "metrics.jsonl").read_text().splitlines()]
                 c.check(all(len(r["dropped"]) == 1 for r in rows), "drops", f"dropped per round: {[r['dropped'] for r in rows]}")
                 dropped = int(next(iter(rows[1]["dropped"])))
-                before = io.load_checkpoint(Path(cut.out) / "checkpoint.pt")["client_states"].get(dropped, {})
+                before = io.load_checkpoint(cut / "checkpoint.pt")["client_states"].get(dropped, {})
                 found = differences(before, ends["local"]["client_states"].get(dropped, {}), 0.0)
                 c.check(not found, "no state change for a dropped client",
                         f"client {dropped}, dropped in round 2, changed its state: {'; '.join(found[:3])}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedlt.errors import FedltError
-from fedlt.testing import check_loss_term, check_model, check_partitioner
+from fedlt.testing import check_aggregator, check_algorithm, check_loss_term, check_model, check_partitioner
 from fedlt_example.poly import Poly1
 from fedlt_example.zipf import Zipf, zipf_sizes
 
@@ -77,12 +77,11 @@ def test_bad_parameters_are_one_line_errors():
 
 
 # -- the algorithm, the aggregator and the split server side ---------------------------------------
-def test_example_fedcm_passes_the_algorithm_contract():
-    """Two rounds, exact resume: the server momentum and each client's visit count are restored."""
-    from fedlt.testing import check_algorithm
-
-    check_algorithm("example_fedcm")
-    check_algorithm("example_fedcm", {"alpha": 1.0})
+def test_example_algorithms_pass_the_algorithm_contract():
+    """Two rounds; cut after round 1 (as a kill leaves the run) and resumed, the server momentum,
+    each client's visit count and each client's drift are restored bit for bit."""
+    check_algorithm("example_fedcm", {"alpha": 0.5})
+    check_algorithm("example_feddc", {"alpha": 0.1})
 
 
 def test_example_fedcm_with_alpha_one_is_fedavg(tmp_path):
@@ -99,9 +98,31 @@ def test_example_fedcm_with_alpha_one_is_fedavg(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_lookahead_passes_the_aggregator_contract():
-    from fedlt.testing import check_aggregator
+def test_example_feddc_uploads_weights_plus_drift(tmp_path):
+    """With alpha 0 the clients train as FedAvg's do, so what the server averages is θ_k + h_k
+    with h_k = θ_k − w: the global model is FedAvg's plus the |D_k|-weighted mean drift (float64),
+    and the drifts are not zero. Uploading θ_k alone would give FedAvg's model."""
+    import json
 
+    from fedlt import io
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    common = dict(model="mlp", clients=4, participation=1.0, rounds=1, train_limit=200, local_iters=2,
+                  partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
+    run(RunConfig(**common, algorithm="fedavg", out=tmp_path / "fedavg"))
+    run(RunConfig(**common, algorithm="example_feddc", algorithm_params={"alpha": 0.0}, out=tmp_path / "feddc"))
+    fedavg, feddc = (io.load_checkpoint(tmp_path / d / "checkpoint.pt") for d in ("fedavg", "feddc"))
+    sizes = [sum(row) for row in json.loads((tmp_path / "feddc" / "partition.json").read_text())["class_counts"]]
+    drifts = {cid: state["drift"] for cid, state in feddc["client_states"].items()}
+    assert sorted(drifts) == [0, 1, 2, 3] and all(float(h.abs().max()) > 0 for d in drifts.values() for h in d.values())
+    for name, got in feddc["algorithm"]["model"].items():
+        mean_drift = sum(sizes[c] * drifts[c][name].double() for c in drifts) / sum(sizes)
+        want = fedavg["algorithm"]["model"][name].double() + mean_drift
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+def test_lookahead_passes_the_aggregator_contract():
     check_aggregator("lookahead")
     check_aggregator("lookahead", {"alpha": 0.3, "k": 3})
 

@@ -26,11 +26,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fedlt.algorithms.base import RunContext, build_aggregator
-from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy, trainable_names
-from fedlt.algorithms.protocol import ClientResult, ClientTask
-from fedlt.algorithms.stateful import effective_steps
-from fedlt.context import RoundContext
+from fedlt.plugin import (ClientResult, ClientTask, ClientUpdate, FedAvgFamily, RoundContext, RunContext, Strategy,
+                          build_aggregator, effective_steps, trainable_names)
 
 
 @dataclass(frozen=True)
@@ -39,12 +36,14 @@ class MomentumUpdate(ClientUpdate):
 
     alpha: float
 
+    # once per round: what the steps need (handed to every other hook as ``local``)
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
-        visits = int(task.state.get("visits", torch.tensor(0)))
+        visits = int(task.state.get("visits", torch.tensor(0)))  # {} on the client's first round
         blend = max(self.alpha, 1.0 / (visits + 1))
-        momentum = task.payload["momentum"]
+        momentum = task.payload["momentum"]  # what the strategy sent
         return blend, [momentum[n] for n in trainable_names(model)], visits
 
+    # each step: edit the gradients before clipping
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         blend, momentum, _ = local
         if blend == 1.0:
@@ -55,6 +54,7 @@ class MomentumUpdate(ClientUpdate):
             else:
                 p.grad.mul_(blend).add_(m, alpha=1.0 - blend)
 
+    # once, after the last step: (the client's new state, extras for the strategy)
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         return {"visits": torch.tensor(local[2] + 1)}, {}
@@ -67,17 +67,18 @@ class MomentumStrategy(Strategy):
         super().__init__(model, aggregator, ctx, objective)
         self.momentum = {n: torch.zeros_like(model.state_dict()[n]) for n in self.trainable}
 
-    def payload(self, round: RoundContext) -> dict[str, Any]:
+    def payload(self, round: RoundContext) -> dict[str, Any]:  # sent to every participant with its task
         return {"momentum": self.momentum}
 
     def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
-        sent = {n: self.model.state_dict()[n].double() for n in self.trainable}
-        metrics = super().aggregate(round, results)
+        sent = {n: self.model.state_dict()[n].double() for n in self.trainable}  # x, before it changes
+        metrics = super().aggregate(round, results)  # the aggregator's new global model
         trained = [r for r in sorted(results, key=lambda r: r.cid) if r.steps > 0]
         for name, x in sent.items():
             total = torch.zeros_like(x)
             for r in trained:  # float64, in client order: the same sum on every engine
-                total += (x - r.weights[name].double()) / (effective_steps(r.steps, self.ctx.momentum) * self.ctx.lr)
+                steps = effective_steps(r.steps, self.ctx.momentum)  # K_k, or its momentum equivalent
+                total += (x - r.weights[name].double()) / (steps * self.ctx.lr)
             self.momentum[name] = (total / max(len(trained), 1)).to(self.momentum[name].dtype)
         return metrics
 

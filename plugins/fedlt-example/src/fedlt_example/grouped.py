@@ -10,8 +10,7 @@ client session and loss (``--algo scala`` with ``server="grouped(size=2)"``).
 
 from __future__ import annotations
 
-from fedlt.algorithms.split_server import ServerSide
-from fedlt.errors import FedltError
+from fedlt.plugin import FedltError, ServerSide
 
 
 class Grouped(ServerSide):

@@ -15,8 +15,7 @@ from typing import Annotated, Any, ClassVar
 import torch
 from pydantic import Field, PrivateAttr
 
-from fedlt.aggregators import Aggregator, State, weighted_average
-from fedlt.errors import FedltError
+from fedlt.plugin import Aggregator, FedltError, State, weighted_average
 
 
 class Lookahead(Aggregator):

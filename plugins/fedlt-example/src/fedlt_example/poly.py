@@ -10,8 +10,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from fedlt.errors import FedltError
-from fedlt.losses import LossTerm
+from fedlt.plugin import FedltError, LossTerm
 
 
 def poly1_loss(logits: torch.Tensor, targets: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -20,7 +19,11 @@ def poly1_loss(logits: torch.Tensor, targets: torch.Tensor, epsilon: float) -> t
 
 
 class Poly1(LossTerm):
-    """Poly-1: CE + ε·(1 − p_y) (PolyLoss eq. 3); ε = 1 by default, ε = 0 is CE."""
+    """Poly-1: CE + ε·(1 − p_y) (PolyLoss eq. 3); ε = 1 by default, ε = 0 is CE.
+
+    Args:
+        epsilon: weight ε of the polynomial term (at least −1); 0 is CE
+    """
 
     name = "poly1"
 

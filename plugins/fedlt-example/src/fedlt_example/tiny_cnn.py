@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedlt.errors import FedltError
+from fedlt.plugin import FedltError
 
 
 class TinyCNN(nn.Module):

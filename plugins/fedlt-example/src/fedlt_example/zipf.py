@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from fedlt.errors import FedltError
-from fedlt.partitioners import Partitioner
+from fedlt.plugin import FedltError, Partitioner
 
 
 def zipf_sizes(total: int, num_clients: int, s: float) -> np.ndarray:
