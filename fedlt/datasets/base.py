@@ -8,6 +8,10 @@ import torch
 
 from fedlt.datasets.source import Images, images
 
+# labels are class indices below this: a classifier head of 10^5 classes on 4096 features is 1.6 GB
+# of float32 weights, and a C-long histogram per client is kept for every client (K×C counts)
+MAX_CLASSES = 100_000
+
 
 @dataclass(frozen=True)
 class InMemoryDataset:
