@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from fedlt.datasets import register
-from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, normalise
+from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, normalise, npy_header
 from fedlt.errors import FedltError, first_line
 from fedlt.spec import shown
 
@@ -383,15 +383,6 @@ class Cache:
         os.pwrite(flags, b"\x01", position)  # last: a row marked filled is whole and has its sum
 
 
-def npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """(shape, fortran order, dtype) from an open ``.npy`` file, which is left at its data."""
-    version = np.lib.format.read_magic(f)
-    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-    if read is None:
-        raise ValueError(f"unsupported .npy version {version}")
-    return read(f)
-
-
 def stats_digest(key: str, mean: list[float], std: list[float]) -> str:
     return hashlib.sha256(json.dumps([CACHE_FORMAT, key, mean, std]).encode()).hexdigest()
 
@@ -643,6 +634,17 @@ class FileImages:
 
     def loading(self, workers: int) -> "FileImages":
         return replace(self, workers=int(workers))
+
+    def fingerprint(self) -> str:
+        """sha256 of the files (paths, sizes, modification times: the cache key), how they are
+        decoded and standardised, and which of them this source holds. Evaluation transforms are
+        not callables one can hash; they come from the run's settings, which a resume checks."""
+        files = self.files
+        stamps = files.stamps if files.stamps is not None else check_files(files.listing)
+        h = hashlib.sha256(cache_key(files.listing, stamps, files.size, files.channels, files.fit).encode())
+        h.update(json.dumps([self.mean, self.std, self.item_shape, len(self.transforms)]).encode())
+        h.update(np.ascontiguousarray(self.index, dtype="<i8").tobytes())
+        return h.hexdigest()
 
 
 # -- the dataset ----------------------------------------------------------------------------------
