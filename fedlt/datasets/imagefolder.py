@@ -27,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import stat
 import threading
 import warnings
@@ -514,6 +515,29 @@ class _Feed:
         return self.batches
 
 
+def _dead_workers(loader: Any) -> str:
+    """The loader's worker processes that are gone, in words ('' when all are alive)."""
+    workers = getattr(getattr(loader, "_iterator", None), "_workers", None) or []
+    gone = []
+    for worker in workers:
+        if not worker.is_alive():
+            code = worker.exitcode
+            how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
+                   -code in signal.valid_signals() else f"exit code {code}")
+            gone.append(f"pid {worker.pid}, {how}")
+    return "; ".join(gone)
+
+
+def _shut_down(loader: Any) -> None:
+    """Stop a loader's remaining workers (torch's own shutdown; best effort: they may be gone)."""
+    iterator = getattr(loader, "_iterator", None)
+    try:
+        if iterator is not None:
+            iterator._shutdown_workers()
+    except Exception:  # noqa: BLE001  (a worker killed mid-shutdown; nothing more to stop)
+        pass
+
+
 _KEPT_LOCK = threading.Lock()  # the evaluation may read (in a thread) while clients train
 
 
@@ -600,6 +624,7 @@ class FileImages:
 
         loader, feed = kept = self._lend()
         feed.batches = positions()
+        broken = False
         try:
             with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
                 warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
@@ -609,9 +634,19 @@ class FileImages:
                 if isinstance(x, str):
                     raise FedltError(x)
                 yield idx, x.to(self.device, non_blocking=True)
+        except (RuntimeError, OSError, EOFError) as exc:  # a dead worker: "Connection reset by peer", "exited unexpectedly"
+            dead = _dead_workers(loader)
+            if not dead:
+                raise
+            broken = True
+            raise FedltError(f"{WHAT}: a --loader-workers process decoding the images died ({dead}); the run "
+                             "stopped before the round it was in could finish") from None
         finally:  # a stream left half-read is drained by the next one's iter()
             feed.batches = iter(())
-            self._give_back(kept)
+            if broken:  # its other workers are stopped, not lent again
+                _shut_down(loader)
+            else:
+                self._give_back(kept)
 
     def batches(self, labels: torch.Tensor, index_batches: Iterable[torch.Tensor]
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
