@@ -80,20 +80,20 @@ def _outside(real: str, bases: tuple[str, ...]) -> bool:
     return not any(real == b or real.startswith(b.rstrip(os.sep) + os.sep) for b in bases)
 
 
-def _walk_images(top: Path, bases: tuple[str, ...], seen: set[tuple[int, int]],
-                 walked: set[tuple[int, int]]) -> list[str]:
-    """Image files under ``top`` in sorted order, each real file once: links are followed only to
-    places under ``bases`` (the data root), a folder already walked (a loop: ``loop -> ..``) is
-    not walked again, and a file already listed (a second link to it) is not listed again.
-    Anything with an image suffix that is not a regular file (a FIFO, a device) is refused by
-    name without being opened: reading it could block for ever."""
-    files: list[str] = []
-    stack = [str(top)]
+def _walk_images(top: Path, bases: tuple[str, ...], walked: set[tuple[int, int]]
+                 ) -> list[tuple[str, tuple[int, int], bool]]:
+    """(path, file id, reached through a link) of the image files under ``top``, depth first in
+    sorted order (os.walk's). Links are followed only to places under ``bases`` (the data root),
+    and a folder reached through a link is not walked if it already was (a loop: ``loop -> ..``),
+    so the walk ends. Anything with an image suffix that is not a regular file (a FIFO, a device)
+    is refused by name without being opened: reading it could block for ever."""
+    found: list[tuple[str, tuple[int, int], bool]] = []
+    stack = [(str(top), False)]
     while stack:
-        folder = stack.pop()
+        folder, linked = stack.pop()
         try:
             info = os.stat(folder)
-            if (info.st_dev, info.st_ino) in walked and folder != str(top):
+            if linked and (info.st_dev, info.st_ino) in walked:
                 continue
             walked.add((info.st_dev, info.st_ino))
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
@@ -103,24 +103,24 @@ def _walk_images(top: Path, bases: tuple[str, ...], seen: set[tuple[int, int]],
         for entry in entries:
             if not _visible(entry.name):
                 continue
-            if entry.is_symlink() and _outside(os.path.realpath(entry.path), bases):
+            link = entry.is_symlink()
+            if link and _outside(os.path.realpath(entry.path), bases):
                 raise FedltError(f"{WHAT}: {entry.path} is a link to {os.path.realpath(entry.path)}, outside "
                                  f"--data-root; fedlt does not follow links out of it (list such images in "
                                  "train_list / test_list files instead)")
             try:
                 info = entry.stat()  # follows a link (inside the root), never opens the file
-            except OSError:  # a dangling link: torchvision skips it too
+            except OSError:  # a dangling link or a loop of links: torchvision skips it too
                 continue
             if stat.S_ISDIR(info.st_mode):
-                subfolders.append(entry.path)
+                subfolders.append((entry.path, linked or link))
             elif entry.name.lower().endswith(SUFFIXES):
                 if not stat.S_ISREG(info.st_mode):
                     raise FedltError(f"{WHAT}: {entry.path} is {_kind(info.st_mode)}, not an image file")
-                if (info.st_dev, info.st_ino) not in seen:
-                    seen.add((info.st_dev, info.st_ino))
-                    files.append(entry.path)
-        stack += reversed(subfolders)  # depth first, in sorted order (os.walk's order)
-    return files
+                found.append((entry.path, (info.st_dev, info.st_ino), linked or link))
+        stack += reversed(subfolders)
+    return found
+
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular file is, in words."""
@@ -148,20 +148,28 @@ def list_folders(root: Path, split: str, classes: list[str] | None = None) -> tu
             raise FedltError(f"{WHAT}: {folder / unknown[0]} is not a class of the training split "
                              f"(its classes: {', '.join(classes[:8])}{', ...' if len(classes) > 8 else ''})")
     index = {c: i for i, c in enumerate(classes)}
-    paths, labels = [], []
     bases = (os.path.realpath(root), os.path.realpath(folder))  # a split folder may itself be a link
-    seen: set[tuple[int, int]] = set()
-    # the split folder and every class folder: a link to one of them (a loop, or another class) is not walked again
+    # the split folder and every class folder: a link to one of them (a loop, or another class) is not walked
     walked = {(i.st_dev, i.st_ino) for i in map(os.stat, [folder, *(folder / n for n in found)])}
+    walks = {}
     for name in found:
         if os.path.islink(folder / name) and _outside(os.path.realpath(folder / name), bases):
             raise FedltError(f"{WHAT}: {folder / name} is a link to {os.path.realpath(folder / name)}, outside "
                              "--data-root; fedlt does not follow links out of it")
-        files = _walk_images(folder / name, bases, seen, walked)
-        if not files and split == "train":
+        walks[name] = _walk_images(folder / name, bases, walked)
+    # each real file once, in the class where it really is (a link to it elsewhere is a second path to it)
+    owner: dict[tuple[int, int], tuple[str, bool]] = {}
+    for name, files in walks.items():
+        for path, file_id, linked in files:
+            if file_id not in owner or (owner[file_id][1] and not linked):
+                owner[file_id] = (path, linked)
+    paths, labels = [], []
+    for name, files in walks.items():
+        kept = [path for path, file_id, _ in files if owner[file_id][0] == path]
+        if not kept and split == "train":
             raise FedltError(f"{WHAT}: {folder / name} holds no images ({', '.join(SUFFIXES)})")
-        paths += files
-        labels += [index[name]] * len(files)
+        paths += kept
+        labels += [index[name]] * len(kept)
     if not paths:
         raise FedltError(f"{WHAT}: {folder} holds no images ({', '.join(SUFFIXES)})")
     return Listing(np.array([os.fsencode(p) for p in paths]), np.array(labels, dtype=np.int64)), classes
