@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import signal
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -312,10 +313,16 @@ def test_a_refused_run_leaves_no_cache_behind(root, tmp_path, capsys, case):
 
 
 # -- a dead loader process -------------------------------------------------------------------------
-def kill_a_loader_worker() -> int:
-    """SIGKILL one worker process of a live fedlt DataLoader (found among the live objects)."""
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.utils.data.DataLoader) and isinstance(obj.dataset, imagefolder_module._Decoder):
+def kill_a_loader_worker(root: Path) -> int:
+    """SIGKILL one worker process of a live fedlt DataLoader over ``root``'s images (found among
+    the live objects: an earlier test's loaders may still be alive)."""
+    with warnings.catch_warnings():  # isinstance on some live objects warns of torch deprecations
+        warnings.simplefilter("ignore")
+        loaders = [obj for obj in gc.get_objects() if isinstance(obj, torch.utils.data.DataLoader)]
+    for obj in loaders:
+        decoder = obj.dataset
+        if isinstance(decoder, imagefolder_module._Decoder) and os.fsdecode(decoder.files.listing.paths[0]).startswith(
+                f"{root}{os.sep}"):
             workers = getattr(getattr(obj, "_iterator", None), "_workers", None)
             if workers and all(w.is_alive() for w in workers):
                 os.kill(workers[0].pid, signal.SIGKILL)
@@ -333,7 +340,7 @@ def test_a_killed_loader_process_is_named_and_the_run_resumes_exactly(root, tmp_
 
     def round_then_kill(algorithm, ctx, round_index, *args, **kwargs):
         if round_index == 2 and not killed:  # round 1 started the loaders
-            killed.append(kill_a_loader_worker())
+            killed.append(kill_a_loader_worker(root))
         return real(algorithm, ctx, round_index, *args, **kwargs)
 
     fedlt.engine.train_round = round_then_kill
