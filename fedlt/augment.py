@@ -37,6 +37,11 @@ MAX_CHANNELS = 64  # per-channel statistics given by hand
 SEQUENCES = (tuple, type([]))  # ``list`` is this module's registry lookup (fedlt.augment.list)
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:56]}…{text[-3:]}"
+
+
 def _no_bool(value: Any) -> Any:
     if isinstance(value, bool):  # pydantic reads True as 1: a crop of padding=True is a typo, not 1 pixel
         raise ValueError(f"expected a number, got {value}")
@@ -50,7 +55,7 @@ def _size(value: Any) -> Any:
         return value
     if isinstance(value, SEQUENCES) and len(value) != 2 or not all(
             isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIDE for v in sides):
-        raise ValueError(f"must be an integer 1..{MAX_SIDE} or two of them (height, width), got {value!r}")
+        raise ValueError(f"must be an integer 1..{MAX_SIDE} or two of them (height, width), got {_short(value)}")
     return value
 
 
@@ -61,7 +66,7 @@ def _statistics(value: Any) -> Any:
         return value
     if not 1 <= len(values) <= MAX_CHANNELS or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise ValueError(f"must be 1..{MAX_CHANNELS} finite numbers, one per channel, got {value!r}")
+        raise ValueError(f"must be 1..{MAX_CHANNELS} finite numbers, one per channel, got {_short(value)}")
     return tuple(values)
 
 
