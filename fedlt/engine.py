@@ -290,9 +290,10 @@ def _check_model_finite(model: torch.nn.Module, where: str) -> None:
 
 
 def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig, data_fingerprint: str) -> RunState:
-    if saved.get("data_fingerprint", data_fingerprint) != data_fingerprint:  # checkpoints before it had none
+    kept = saved.get("data_fingerprint", data_fingerprint)  # checkpoints written before it have none
+    if kept != data_fingerprint:
         raise FedltError(f"{path} was trained on other data: the inputs of {config.dataset} differ from those the run "
-                         f"began with (fingerprint {saved['data_fingerprint'][:12]}…, now {data_fingerprint[:12]}…); "
+                         f"began with (fingerprint {str(kept)[:12]}…, now {data_fingerprint[:12]}…); "
                          "resume with the same data or start a new run")
     if saved["config_digest"] != config_digest(config):
         raise FedltError(f"{path} was written by a different configuration; resume it with the settings in its "
