@@ -15,10 +15,11 @@ built for the augmented input and the test set is transformed to match once, bef
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import math
+from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from fedlt.datasets.source import CHUNK, Images, images
 from fedlt.errors import FedltError
@@ -29,6 +30,51 @@ REGISTRY: Registry = Registry("augmentation", product=lambda obj: None if callab
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
 
 Shape = tuple[int, int, int]  # (C, H, W) of one sample
+MAX_SIDE = 4096  # pixels: an image side fedlt's models take (imagefolder's image_size bound too)
+MAX_CHANNELS = 64  # per-channel statistics given by hand
+
+
+SEQUENCES = (tuple, type([]))  # ``list`` is this module's registry lookup (fedlt.augment.list)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:56]}…{text[-3:]}"
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic reads True as 1: a crop of padding=True is a typo, not 1 pixel
+        raise ValueError(f"expected a number, got {value}")
+    return value
+
+
+def _size(value: Any) -> Any:
+    """One side or (height, width), each an integer 1..MAX_SIDE (a side of 0 is an empty crop)."""
+    sides = value if isinstance(value, SEQUENCES) else (value,)
+    if value is None:
+        return value
+    if isinstance(value, SEQUENCES) and len(value) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIDE for v in sides):
+        raise ValueError(f"must be an integer 1..{MAX_SIDE} or two of them (height, width), got {_short(value)}")
+    return value
+
+
+def _statistics(value: Any) -> Any:
+    """Per-channel values: 1..MAX_CHANNELS finite numbers (inf would make every input 0 or NaN)."""
+    values = value if isinstance(value, SEQUENCES) else (value,)
+    if value is None:
+        return value
+    if not 1 <= len(values) <= MAX_CHANNELS or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"must be 1..{MAX_CHANNELS} finite numbers, one per channel, got {_short(value)}")
+    return tuple(values)
+
+
+Size = Annotated[int | tuple[int, int], BeforeValidator(_size)]
+Padding = Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=MAX_SIDE)]
+Probability = Annotated[float, BeforeValidator(_no_bool), Field(ge=0, le=1, allow_inf_nan=False)]
+Finite = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+Statistics = Annotated[tuple[float, ...], BeforeValidator(_statistics)]
 
 
 class Transform(BaseModel):
@@ -86,10 +132,10 @@ class RandomCrop(Transform):
     images are already standardised, so ``fill=0`` pads with the channel mean. Evaluation: a
     centre crop of ``size`` (the identity when ``size`` is the image's)."""
 
-    size: int | tuple[int, int] | None = Field(None, description="crop height and width (one int: square); "
-                                                                   "default: the input's size")
-    padding: int = Field(0, ge=0, description="pixels added on every side before cropping")
-    fill: float = Field(0.0, allow_inf_nan=False, description="value of the padding (standardised units: 0 = mean)")
+    size: Size | None = Field(None, description=f"crop height and width, 1..{MAX_SIDE} (one int: square); "
+                                                "default: the input's size")
+    padding: Padding = Field(0, description="pixels added on every side before cropping (at most the image's side)")
+    fill: Finite = Field(0.0, description="value of the padding (standardised units: 0 = mean)")
 
     def _size(self, x: torch.Tensor) -> tuple[int, int]:
         return _square(self.size) if self.size is not None else (x.shape[2], x.shape[3])
@@ -106,6 +152,9 @@ class RandomCrop(Transform):
         return _center(x, self._size(x))
 
     def output_shape(self, shape: Shape) -> Shape:
+        if self.padding > min(shape[1:]):  # beyond it a crop can be all padding, and the padded batch grows as p²
+            raise FedltError(f"augment: random_crop padding {self.padding} is more than the {shape[1]}×{shape[2]} "
+                             f"images' shorter side ({min(shape[1:])})")
         size = _square(self.size) if self.size is not None else shape[1:]
         _fits("random_crop", size, shape, self.padding)
         return (shape[0], *size)
@@ -116,7 +165,7 @@ class RandomCrop(Transform):
 
 
 class _Flip(Transform):
-    p: float = Field(0.5, ge=0, le=1, allow_inf_nan=False, description="probability of flipping each sample")
+    p: Probability = Field(0.5, description="probability of flipping each sample, 0..1")
     dim: ClassVar[int] = -1  # the axis flipped
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +192,7 @@ class Resize(Transform):
     """Resize to ``size`` by bilinear interpolation with antialiasing (torchvision's Resize on
     tensors); applied in training and evaluation alike."""
 
-    size: int | tuple[int, int] = Field(description="output height and width (one int: square)")
+    size: Size = Field(description=f"output height and width, 1..{MAX_SIDE} (one int: square)")
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         size = _square(self.size)
@@ -163,7 +212,7 @@ class Resize(Transform):
 class CenterCrop(Transform):
     """The central ``size`` window (torchvision's CenterCrop); training and evaluation alike."""
 
-    size: int | tuple[int, int] = Field(description="crop height and width (one int: square)")
+    size: Size = Field(description=f"crop height and width, 1..{MAX_SIDE} (one int: square)")
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         return _center(x, _square(self.size))
@@ -183,8 +232,8 @@ class Normalize(Transform):
     ``std`` they are computed once before training over the whole training set as the
     transforms before this one leave it (their evaluation form), in float64."""
 
-    mean: tuple[float, ...] | None = Field(None, description="per-channel mean; default: computed")
-    std: tuple[float, ...] | None = Field(None, description="per-channel std (> 0); default: computed")
+    mean: Statistics | None = Field(None, description="per-channel mean (finite); default: computed")
+    std: Statistics | None = Field(None, description="per-channel std (finite, > 0); default: computed")
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> "Normalize":

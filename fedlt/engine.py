@@ -289,7 +289,12 @@ def _check_model_finite(model: torch.nn.Module, where: str) -> None:
             raise NonFiniteLoss(f"non-finite weights in {name} of the global model after {where}")
 
 
-def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig) -> RunState:
+def _restore(prep: Prepared, saved: dict, path: Path, config: RunConfig, data_fingerprint: str) -> RunState:
+    kept = saved.get("data_fingerprint", data_fingerprint)  # checkpoints written before it have none
+    if kept != data_fingerprint:
+        raise FedltError(f"{path} was trained on other data: the inputs of {config.dataset} differ from those the run "
+                         f"began with (fingerprint {str(kept)[:12]}…, now {data_fingerprint[:12]}…); "
+                         "resume with the same data or start a new run")
     if saved["config_digest"] != config_digest(config):
         raise FedltError(f"{path} was written by a different configuration; resume it with the settings in its "
                          "config.json")
@@ -404,6 +409,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
         partition = load_partition(out / "partition.npz")
 
     prep = prepare(config, partition)
+    data_fingerprint = fedlt.datasets.fingerprint(prep.data)  # the training inputs, not only the labels
     if resume:
         prep.partition.check_dataset(prep.data.y_train.numpy(), prep.data.name)
     algorithm, data = prep.algorithm, prep.data
@@ -411,7 +417,7 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
 
     state = RunState(round=0, metrics=[], wall_time=0.0)
     if resume and checkpoint_path.exists():
-        state = _restore(prep, io.load_checkpoint(checkpoint_path), checkpoint_path, config)
+        state = _restore(prep, io.load_checkpoint(checkpoint_path), checkpoint_path, config, data_fingerprint)
     # nothing has been written up to here: a bad setting or checkpoint leaves the directory as it was
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
     io.write_json(out / "config.json", config.model_dump(mode="json"))
@@ -427,7 +433,8 @@ def _run_claimed(config: RunConfig, *, resume: bool = False,
         snapshot = snapshot or {"algorithm": algorithm.state_dict(), "client_states": state.client_states.state_dict()}
         io.save_checkpoint(checkpoint_path, {
             "format": CHECKPOINT_FORMAT, "config_digest": config_digest(config),
-            "partition_sha256": prep.partition.sha256, "round": state.round, **snapshot,
+            "partition_sha256": prep.partition.sha256, "data_fingerprint": data_fingerprint, "round": state.round,
+            **snapshot,
             "metrics": state.metrics, "wall_time": float(state.wall_time),
         })
         state.checkpoint_round = state.round

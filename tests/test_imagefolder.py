@@ -226,7 +226,9 @@ def test_the_cache_keeps_what_was_decoded_and_a_changed_file_gets_a_new_entry(tm
     cache = tmp_path / "cache"
     spec = f"imagefolder(image_size=10, cache='{cache}')"
     first = fedlt.datasets.load(spec, root=root)
+    assert not cache.exists()  # made when the first decoded image is kept, not when the dataset opens
     decoded = first.x_train.take(slice(None))
+    first.x_test.take(slice(None))
     stored = sorted(cache.glob("*.npy"))
     assert len(stored) == 2  # one per split
     train_file = next(p for p in stored if np.load(p, mmap_mode="r").shape[0] == 12)

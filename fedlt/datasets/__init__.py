@@ -15,7 +15,7 @@ def _dataset_check(obj) -> str | None:
 REGISTRY: Registry = Registry("dataset", product=_dataset_check)
 register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
 
-from fedlt.datasets.base import InMemoryDataset  # noqa: E402
+from fedlt.datasets.base import InMemoryDataset, fingerprint  # noqa: E402,F401
 from fedlt.datasets import arrays, imagefolder, mnist, torchvision_sets  # noqa: E402,F401  (register the built-ins)
 
 

@@ -9,14 +9,18 @@ memory-mapped, so only the normalised float32 copy the run trains on is held in 
 
 from __future__ import annotations
 
+import math
+import os
 import zipfile
+import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedlt.datasets import register
-from fedlt.datasets.base import InMemoryDataset
+from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, npy_header
 from fedlt.errors import FedltError, first_line
 
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
@@ -37,21 +41,106 @@ def _refused(where: Path, exc: Exception) -> FedltError:
     return FedltError(f"{where} cannot be read as NumPy arrays: {first_line(exc)[:160]}")
 
 
+def _memory() -> int:
+    """This machine's physical memory in bytes (what a run's arrays must fit in)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: a bound no real file reaches
+        return 1 << 50
+
+
+def _header(stream: Any, where: str, stored: int) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) from the header of a ``.npy`` stream holding ``stored`` bytes in all, checked
+    before a byte of data is read: a plain .npy (not a zip, not a pickle, not text), no Python
+    objects, and exactly as many data bytes as the shape declares (a shape of 10^12 elements
+    in a small file, or a truncated file, is refused here, never allocated)."""
+    head = stream.read(6)
+    if head != b"\x93NUMPY":
+        kind = ("a zip archive (an .npz inside?)" if head.startswith(b"PK") else
+                "a pickle (Python objects)" if head[:1] == b"\x80" else
+                "empty" if not head else f"not a .npy array (it starts with {head[:6]!r})")
+        raise FedltError(f"dataset arrays: {where} is {kind}; expected a .npy array saved by numpy.save")
+    stream.seek(0)
+    try:
+        shape, fortran, dtype = npy_header(stream)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
+        raise FedltError(f"dataset arrays: {where} has a damaged .npy header: {first_line(exc)[:120]}") from None
+    if dtype.hasobject:
+        raise FedltError(f"dataset arrays: {where} holds Python objects (pickled), which fedlt never loads; store "
+                         "plain numeric or string arrays")
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != stored - stream.tell():
+        raise FedltError(f"dataset arrays: {where} declares shape {tuple(shape)} of {dtype} ({declared} bytes) but "
+                         f"holds {stored - stream.tell()} bytes of data: the file is damaged or truncated")
+    return tuple(shape), dtype
+
+
+def _npz_members(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each member's (shape, dtype) from its header; only .npy members, each at most what the
+    machine's memory holds (a zip bomb declares its size in the archive's directory)."""
+    members = {}
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            key = info.filename.removesuffix(".npy")
+            if key == info.filename:
+                raise FedltError(f"dataset arrays: {path} member {info.filename!r} is not a .npy array (expected "
+                                 f"{', '.join(f'{k}.npy' for k in REQUIRED)})")
+            if key in members:
+                raise FedltError(f"dataset arrays: {path} holds {info.filename!r} twice")
+            if info.file_size > _memory():
+                raise FedltError(f"dataset arrays: {path} member {info.filename} unpacks to {info.file_size} bytes, "
+                                 f"more than this machine's memory ({_memory()} bytes)")
+            with archive.open(info) as stream:
+                members[key] = _header(stream, f"{path} member {info.filename}", info.file_size)
+    return members
+
+
+def _folder_members(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    members = {}
+    for file in sorted(path.glob("*.npy")):
+        if file.is_file():
+            with open(file, "rb") as stream:
+                members[file.stem] = _header(stream, str(file), os.fstat(stream.fileno()).st_size)
+    return members
+
+
+def _check_names(path: Path, names: set[str]) -> None:
+    """The same rule for both forms: every required array, nothing unknown (``X_train`` is a typo)."""
+    unknown = sorted(names - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise FedltError(f"dataset arrays: {path} holds unknown arrays {unknown[:5]} (allowed: "
+                         f"{', '.join(REQUIRED + OPTIONAL)})")
+    missing = [k for k in REQUIRED if k not in names]
+    if missing:
+        raise FedltError(f"dataset arrays: {path} lacks {', '.join(missing)} (expected {WHAT})")
+
+
+def _check_room(path: Path, members: dict[str, tuple[tuple[int, ...], np.dtype]], held: bool) -> None:
+    """The float32 copies of the images (and, for an .npz, the arrays read whole) must fit in memory."""
+    need = sum(4 * math.prod(members[k][0]) for k in ("x_train", "x_test"))
+    if held:
+        need += sum(math.prod(shape) * dtype.itemsize for shape, dtype in members.values())
+    if need > _memory():
+        sizes = ", ".join(f"{k} {members[k][0]}" for k in ("x_train", "x_test"))
+        raise FedltError(f"dataset arrays: {path} needs {need} bytes in memory ({sizes} as float32), more than this "
+                         f"machine's {_memory()} bytes")
+
+
 def read_arrays(root: str | Path) -> dict[str, np.ndarray]:
-    """The arrays under ``root`` (an ``.npz`` file, or a folder of ``<name>.npy``), by name."""
+    """The arrays under ``root`` (an ``.npz`` file, or a folder of ``<name>.npy``), by name; every
+    header is checked (names, kind, declared sizes against the bytes and the machine) before any
+    array is read."""
     path = Path(root)
     if path.is_dir():
-        missing = [f"{k}.npy" for k in REQUIRED if not (path / f"{k}.npy").is_file()]
-        if missing:
-            raise FedltError(f"dataset arrays: {path} lacks {', '.join(missing)} (expected {WHAT})")
+        members = _folder_members(path)
+        _check_names(path, set(members))
+        _check_room(path, members, held=False)
         arrays = {}
-        for key in REQUIRED + OPTIONAL:
-            file = path / f"{key}.npy"
-            if file.is_file():
-                try:
-                    arrays[key] = np.load(file, mmap_mode="r", allow_pickle=False)
-                except (ValueError, OSError, EOFError) as exc:
-                    raise _refused(file, exc) from None
+        for key in members:
+            try:
+                arrays[key] = np.load(path / f"{key}.npy", mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise _refused(path / f"{key}.npy", exc) from None
         return arrays
     if not path.is_file():
         raise FedltError(f"dataset arrays: no file or folder at {path} (expected {WHAT})")
@@ -62,18 +151,14 @@ def read_arrays(root: str | Path) -> dict[str, np.ndarray]:
     if not head.startswith(b"PK\x03\x04"):
         raise FedltError(f"dataset arrays: {path} is not an .npz archive (expected {WHAT})")
     try:
+        members = _npz_members(path)
+        _check_names(path, set(members))
+        _check_room(path, members, held=True)
         with np.load(path, allow_pickle=False) as npz:
-            unknown = sorted(set(npz.files) - set(REQUIRED) - set(OPTIONAL))
-            if unknown:
-                raise FedltError(f"dataset arrays: {path} holds unknown arrays {unknown[:5]} (allowed: "
-                                 f"{', '.join(REQUIRED + OPTIONAL)})")
-            missing = [k for k in REQUIRED if k not in npz.files]
-            if missing:
-                raise FedltError(f"dataset arrays: {path} lacks {', '.join(missing)} (expected {WHAT})")
             return {key: npz[key] for key in npz.files}  # .npz members are compressed or zipped: read whole
     except FedltError:
         raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError) as exc:
         raise _refused(path, exc) from None
 
 
@@ -109,9 +194,12 @@ def _check_labels(name: str, y: np.ndarray, size: int, num_classes: int | None) 
         raise FedltError(f"dataset arrays: {name} has shape {tuple(y.shape)}; expected ({size},), one label per image")
     if y.dtype == bool or not np.issubdtype(y.dtype, np.integer):
         raise FedltError(f"dataset arrays: {name} has dtype {y.dtype}; expected integer class indices")
-    lo, hi = int(y.min()), int(y.max())
+    lo, hi = int(y.min()), int(y.max())  # Python ints: uint64's largest is not -1 here
     if lo < 0:
         raise FedltError(f"dataset arrays: {name} holds label {lo}; labels are class indices 0..C-1")
+    if hi >= MAX_CLASSES:
+        raise FedltError(f"dataset arrays: {name} holds label {hi}, beyond the {MAX_CLASSES} classes a fedlt model "
+                         f"may have (labels 0..{MAX_CLASSES - 1})")
     if num_classes is not None and hi >= num_classes:
         raise FedltError(f"dataset arrays: {name} holds label {hi} but class_names names {num_classes} classes")
 
@@ -132,10 +220,14 @@ def _group_ids(groups: np.ndarray, size: int) -> torch.Tensor:
 
 
 def _class_names(names: np.ndarray) -> tuple[str, ...]:
-    if names.ndim != 1 or names.dtype.kind not in "US" or names.size < 2:
+    if names.ndim != 1 or names.dtype.kind not in "US" or not 2 <= names.size <= MAX_CLASSES:
         raise FedltError(f"dataset arrays: class_names has shape {tuple(names.shape)} and dtype {names.dtype}; "
-                         "expected at least 2 strings, one per class")
-    decoded = [v.decode() if isinstance(v, bytes) else str(v) for v in names.tolist()]
+                         f"expected 2..{MAX_CLASSES} strings, one per class")
+    try:
+        decoded = [v.decode() if isinstance(v, bytes) else str(v) for v in names.tolist()]
+    except UnicodeDecodeError as exc:
+        raise FedltError(f"dataset arrays: class_names holds bytes that are not UTF-8 ({first_line(exc)[:100]})"
+                         ) from None
     if len(set(decoded)) != len(decoded):
         raise FedltError("dataset arrays: class_names repeats a name")
     return tuple(decoded)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import torch
 
 from fedlt.datasets.source import Images, images
+
+# labels are class indices below this: a classifier head of 10^5 classes on 4096 features is 1.6 GB
+# of float32 weights, and a C-long histogram per client is kept for every client (K×C counts)
+MAX_CLASSES = 100_000
+FULL_DIGEST_BYTES = 1 << 28  # a split up to 256 MiB is hashed whole (~0.2 s at sha256's 1.2 GB/s); beyond, sampled
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,10 @@ class InMemoryDataset:
             None if self.groups_train is None else self.groups_train[:train], self.class_names,
         )
 
+    def fingerprint(self) -> str:
+        """sha256 of what the run trains and evaluates on (see ``fingerprint``)."""
+        return fingerprint(self)
+
     def loading(self, workers: int) -> "InMemoryDataset":
         """The dataset whose image sources decode with ``workers`` DataLoader processes
         (``--loader-workers``); tensors are already in memory and stay as they are."""
@@ -59,3 +71,48 @@ def normalise(images_uint8: torch.Tensor, mean: tuple[float, ...], std: tuple[fl
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
     images = (images_uint8.to(torch.float32).div_(255.0) - m).div_(s)
     return images.contiguous(memory_format=torch.channels_last)  # what fedlt's conv models run fastest on
+
+
+def npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) from an open ``.npy`` file, which is left at its data."""
+    version = np.lib.format.read_magic(f)
+    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read is None:
+        raise ValueError(f"unsupported .npy version {version}")
+    return read(f)
+
+
+def tensor_digest(x: torch.Tensor, h: Any) -> None:
+    """Feed ``x``'s dtype, shape and values (in memory order: NHWC for channels-last images) to ``h``:
+    every sample when the tensor holds up to ``FULL_DIGEST_BYTES``, else evenly spaced samples
+    totalling about that much (a resume on other data changes far more than one sample)."""
+    h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+    if x.ndim == 0 or len(x) == 0:
+        h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return
+    rows = torch.arange(len(x))
+    if x.nbytes > FULL_DIGEST_BYTES:
+        rows = torch.linspace(0, len(x) - 1, max(1, len(x) * FULL_DIGEST_BYTES // x.nbytes)).round().long().unique()
+    if x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        x = x.permute(0, 2, 3, 1)  # the memory's own order: no copy (fedlt's images are channels-last)
+    for part in rows.split(4096):
+        block = x[part] if len(rows) < len(x) else x[int(part[0]):int(part[-1]) + 1]
+        h.update(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def fingerprint(data: Any) -> str:
+    """sha256 of a dataset's training and test inputs and labels, its class count and group ids:
+    what a resumed run must find unchanged. A tensor split is hashed by its values
+    (``tensor_digest``); an image source by its own ``fingerprint()`` (``imagefolder``: the file
+    list, sizes and modification times, as its cache is keyed, and how the files are decoded)."""
+    h = hashlib.sha256(f"fedlt-data-1 {data.num_classes}".encode())
+    for name in ("x_train", "y_train", "x_test", "y_test", "groups_train"):
+        value = getattr(data, name, None)
+        h.update(f"|{name}:".encode())
+        if isinstance(value, torch.Tensor):
+            tensor_digest(value, h)
+        elif value is not None:
+            own = getattr(value, "fingerprint", None)
+            h.update((own() if callable(own) else f"{type(value).__name__}{tuple(value.shape)}").encode())
+    h.update(repr(getattr(data, "class_names", None)).encode())
+    return h.hexdigest()

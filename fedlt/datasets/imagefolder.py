@@ -27,8 +27,11 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
+import stat
 import threading
 import warnings
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 
 from fedlt.datasets import register
-from fedlt.datasets.base import InMemoryDataset, normalise
+from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, normalise, npy_header
 from fedlt.errors import FedltError, first_line
 from fedlt.spec import shown
 
@@ -50,7 +53,8 @@ SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM"
 FORMATS = "JPEG, PNG, GIF, BMP, WebP, TIFF, PPM/PGM"
 STATS_IMAGES = 2048  # training images (evenly spaced) whose pixels give the default mean and std
 MAX_IMAGE_SIZE = 4096
-CACHE_FORMAT = 2  # part of the cache key: a change of the decoding below makes new cache files
+MAX_LIST_BYTES = 1 << 30  # 1 GiB: ImageNet-21k's 13 M lines take ~0.8 GiB; read whole, as Python strings
+CACHE_FORMAT = 3  # 3: a CRC-32 per row; part of the cache key: a change of the decoding below makes new cache files
 
 
 # -- listing the files ------------------------------------------------------------------------------
@@ -72,6 +76,61 @@ def _visible(name: str) -> bool:
     return not name.startswith(".")
 
 
+def _outside(real: str, bases: tuple[str, ...]) -> bool:
+    return not any(real == b or real.startswith(b.rstrip(os.sep) + os.sep) for b in bases)
+
+
+def _walk_images(top: Path, bases: tuple[str, ...], walked: set[tuple[int, int]]
+                 ) -> list[tuple[str, tuple[int, int], bool]]:
+    """(path, file id, reached through a link) of the image files under ``top``, depth first in
+    sorted order (os.walk's). Links are followed only to places under ``bases`` (the data root),
+    and a folder reached through a link is not walked if it already was (a loop: ``loop -> ..``),
+    so the walk ends. Anything with an image suffix that is not a regular file (a FIFO, a device)
+    is refused by name without being opened: reading it could block for ever."""
+    found: list[tuple[str, tuple[int, int], bool]] = []
+    stack = [(str(top), False)]
+    while stack:
+        folder, linked = stack.pop()
+        try:
+            info = os.stat(folder)
+            if linked and (info.st_dev, info.st_ino) in walked:
+                continue
+            walked.add((info.st_dev, info.st_ino))
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            raise FedltError(f"{WHAT}: cannot read folder {folder}: {exc.strerror or first_line(exc)}") from None
+        subfolders = []
+        for entry in entries:
+            if not _visible(entry.name):
+                continue
+            link = entry.is_symlink()
+            if link and _outside(os.path.realpath(entry.path), bases):
+                raise FedltError(f"{WHAT}: {entry.path} is a link to {os.path.realpath(entry.path)}, outside "
+                                 f"--data-root; fedlt does not follow links out of it (list such images in "
+                                 "train_list / test_list files instead)")
+            try:
+                info = entry.stat()  # follows a link (inside the root), never opens the file
+            except OSError:  # a dangling link or a loop of links: torchvision skips it too
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                subfolders.append((entry.path, linked or link))
+            elif entry.name.lower().endswith(SUFFIXES):
+                if not stat.S_ISREG(info.st_mode):
+                    raise FedltError(f"{WHAT}: {entry.path} is {_kind(info.st_mode)}, not an image file")
+                found.append((entry.path, (info.st_dev, info.st_ino), linked or link))
+        stack += reversed(subfolders)
+    return found
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, words in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
 def list_folders(root: Path, split: str, classes: list[str] | None = None) -> tuple[Listing, list[str]]:
     """``root/split/<class>/**/<image>``; ``classes`` (the training split's) fixes the indices."""
     folder = root / split
@@ -89,33 +148,65 @@ def list_folders(root: Path, split: str, classes: list[str] | None = None) -> tu
             raise FedltError(f"{WHAT}: {folder / unknown[0]} is not a class of the training split "
                              f"(its classes: {', '.join(classes[:8])}{', ...' if len(classes) > 8 else ''})")
     index = {c: i for i, c in enumerate(classes)}
-    paths, labels = [], []
+    bases = (os.path.realpath(root), os.path.realpath(folder))  # a split folder may itself be a link
+    # the split folder and every class folder: a link to one of them (a loop, or another class) is not walked
+    walked = {(i.st_dev, i.st_ino) for i in map(os.stat, [folder, *(folder / n for n in found)])}
+    walks = {}
     for name in found:
-        files = []
-        for parent, dirs, names in os.walk(folder / name, followlinks=True):
-            dirs[:] = sorted(d for d in dirs if _visible(d))
-            files += [os.path.join(parent, n) for n in sorted(names)
-                      if _visible(n) and n.lower().endswith(SUFFIXES)]
-        if not files and split == "train":
+        if os.path.islink(folder / name) and _outside(os.path.realpath(folder / name), bases):
+            raise FedltError(f"{WHAT}: {folder / name} is a link to {os.path.realpath(folder / name)}, outside "
+                             "--data-root; fedlt does not follow links out of it")
+        walks[name] = _walk_images(folder / name, bases, walked)
+    # each real file once, in the class where it really is (a link to it elsewhere is a second path to it)
+    owner: dict[tuple[int, int], tuple[str, bool]] = {}
+    for name, files in walks.items():
+        for path, file_id, linked in files:
+            if file_id not in owner or (owner[file_id][1] and not linked):
+                owner[file_id] = (path, linked)
+    paths, labels = [], []
+    for name, files in walks.items():
+        kept = [path for path, file_id, _ in files if owner[file_id][0] == path]
+        if not kept and split == "train":
             raise FedltError(f"{WHAT}: {folder / name} holds no images ({', '.join(SUFFIXES)})")
-        paths += files
-        labels += [index[name]] * len(files)
+        paths += kept
+        labels += [index[name]] * len(kept)
     if not paths:
         raise FedltError(f"{WHAT}: {folder} holds no images ({', '.join(SUFFIXES)})")
     return Listing(np.array([os.fsencode(p) for p in paths]), np.array(labels, dtype=np.int64)), classes
 
 
+def _read_text(path: Path, what: str) -> str:
+    """A list file's text: a regular file (a FIFO or device is refused by name before it is opened:
+    reading it could block or never end) of at most ``MAX_LIST_BYTES``, UTF-8 (a byte-order mark
+    dropped), without NUL bytes."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise FedltError(f"{WHAT}: {what} {path} is {_kind(info.st_mode)}, not a text file")
+        if info.st_size > MAX_LIST_BYTES:
+            raise FedltError(f"{WHAT}: {what} {path} is {info.st_size} bytes, beyond the {MAX_LIST_BYTES} a list "
+                             "file may hold")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_LIST_BYTES + 1)  # the file may have grown since stat
+    except FileNotFoundError:
+        raise FedltError(f"{WHAT}: {what}: no file at {path}") from None
+    except OSError as exc:
+        raise FedltError(f"{WHAT}: {what} {path} cannot be read: {exc.strerror or first_line(exc)}") from None
+    if len(raw) > MAX_LIST_BYTES:
+        raise FedltError(f"{WHAT}: {what} {path} is beyond the {MAX_LIST_BYTES} bytes a list file may hold")
+    if b"\0" in raw:
+        line = raw.count(b"\n", 0, raw.index(b"\0")) + 1
+        raise FedltError(f"{WHAT}: {what} {path} line {line} holds a NUL byte: it is not a text file")
+    try:
+        return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not part of a path
+    except UnicodeDecodeError as exc:
+        raise FedltError(f"{WHAT}: {what} {path} is not UTF-8 text (byte {exc.start})") from None
+
+
 def read_list(root: Path, list_file: str | Path, what: str) -> Listing:
     """A split file of ``<image path> <label>`` lines (blank lines skipped); paths under ``root``."""
     path = Path(list_file) if Path(list_file).is_absolute() else root / list_file
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FedltError(f"{WHAT}: {what}: no file at {path}") from None
-    except UnicodeDecodeError as exc:
-        raise FedltError(f"{WHAT}: {what} {path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise FedltError(f"{WHAT}: {what} {path} cannot be read: {exc.strerror or first_line(exc)}") from None
+    text = _read_text(path, what)
     paths, labels, lines = [], [], []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -127,9 +218,10 @@ def read_list(root: Path, list_file: str | Path, what: str) -> Listing:
         if not parts[1].isascii() or not parts[1].isdigit():
             raise FedltError(f"{WHAT}: {what} {path} line {number}: label {shown(parts[1])} is not a class index "
                              "(an integer 0, 1, 2, ...)")
+        if len(parts[1]) > 12 or int(parts[1]) >= MAX_CLASSES:  # length first: int() of 10^6 digits is slow
+            raise FedltError(f"{WHAT}: {what} {path} line {number}: label {shown(parts[1])} is beyond the "
+                             f"{MAX_CLASSES} classes a fedlt model may have (labels 0..{MAX_CLASSES - 1})")
         label = int(parts[1])
-        if label > np.iinfo(np.int32).max:
-            raise FedltError(f"{WHAT}: {what} {path} line {number}: label {label} is beyond any class count")
         image = Path(parts[0])
         paths.append(os.fsencode(image if image.is_absolute() else root / image))
         labels.append(label)
@@ -145,9 +237,17 @@ def check_files(listing: Listing) -> np.ndarray:
     stamps = np.empty((len(listing.paths), 2), dtype=np.int64)
     for i, raw in enumerate(listing.paths):
         try:
-            with open(raw, "rb") as f:
-                head = f.read(16)
-                stat = os.fstat(f.fileno())
+            info = os.stat(raw)  # a FIFO or device is refused before it is opened: opening could block
+            if not stat.S_ISREG(info.st_mode):
+                raise FedltError(f"{WHAT}: {listing.where(i)} is {_kind(info.st_mode)}, not an image file")
+            fd = os.open(raw, os.O_RDONLY | os.O_NONBLOCK)  # swapped for a FIFO since stat: still no block
+            try:
+                info = os.fstat(fd)
+                head = os.read(fd, 16) if stat.S_ISREG(info.st_mode) else b""
+            finally:
+                os.close(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise FedltError(f"{WHAT}: {listing.where(i)} is {_kind(info.st_mode)}, not an image file")
         except FileNotFoundError:
             raise FedltError(f"{WHAT}: no image at {listing.where(i)}") from None
         except IsADirectoryError:
@@ -157,7 +257,7 @@ def check_files(listing: Listing) -> np.ndarray:
         if not (head.startswith(SIGNATURES) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")):
             raise FedltError(f"{WHAT}: {listing.where(i)} is not an image ({FORMATS})"
                              + (": the file is empty" if not head else ""))
-        stamps[i] = (stat.st_size, stat.st_mtime_ns)
+        stamps[i] = (info.st_size, info.st_mtime_ns)
     return stamps
 
 
@@ -187,44 +287,142 @@ def decode(path: bytes | str, size: int, channels: int, fit: str) -> np.ndarray:
 
 
 class Cache:
-    """Decoded, resized images as uint8 in ``<key>.npy`` (N, S, S, C) beside ``<key>.filled`` (one
-    byte per image, set once its row is written). Rows are read and written with ``pread`` /
-    ``pwrite`` — safe from several processes at once, and no mapped page ever counts in a process's
-    memory — and the ``.npy`` opens with ``np.load(mmap_mode="r")`` for anyone else."""
+    """Decoded, resized images as uint8 in ``<key>.npy`` (N, S, S, C), beside ``<key>.sums`` (the
+    CRC-32 of each row) and ``<key>.filled`` (one byte per image, set once its row and its sum are
+    written). Rows are read and written with ``pread`` / ``pwrite`` — safe from several processes
+    at once, and no mapped page ever counts in a process's memory — and the ``.npy`` opens with
+    ``np.load(mmap_mode="r")`` for anyone else.
 
-    def __init__(self, folder: Path, key: str, count: int, item: tuple[int, int, int]) -> None:
-        self.npy, self.filled = folder / f"{key}.npy", folder / f"{key}.filled"
+    Nothing is written before the first row is put (a run refused before it trains leaves no
+    cache behind); then the three files are made, each by a link that never replaces what
+    another process made first, and ``stats`` (the training split's statistics, when they were
+    computed) are written beside them. A row is checked against its sum whenever it is read: a
+    damaged row (a flipped pixel) reads as absent, so it is decoded and written again; files
+    whose header, shape or size do not fit (truncated, a bad header) are removed when the
+    dataset is opened and made anew."""
+
+    def __init__(self, folder: Path, key: str, count: int, item: tuple[int, int, int],
+                 stats: dict[str, Any] | None = None) -> None:
+        self.folder, self.key, self.count, self.item = folder, key, count, item
+        self.npy, self.filled, self.sums = (folder / f"{key}{end}" for end in (".npy", ".filled", ".sums"))
+        self.stats_file = folder / f"{key}.stats.json"
         self.row = int(np.prod(item))
-        if not (self.npy.is_file() and self.filled.is_file()):
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = self.npy.with_name(f"{key}.npy.{os.getpid()}.tmp")
-            np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8, shape=(count, *item)).flush()
-            self.filled.write_bytes(bytes(count))
-            os.replace(partial, self.npy)
-        with open(self.npy, "rb") as f:
-            np.lib.format.read_magic(f)
-            np.lib.format.read_array_header_1_0(f)
-            self.offset = f.tell()
-        self._fds: tuple[int, int] | None = None
+        self.stats = stats
+        self.offset: int | None = None
+        if not self._sound():  # damaged or half made (a kill between its files): made anew at the first put
+            for path in (self.npy, self.filled, self.sums):
+                path.unlink(missing_ok=True)
+        self._fds: tuple[int, int, int] | None = None
+
+    def _sound(self) -> bool:
+        """Whether the files are absent (nothing to check) or fit this cache's shape and sizes."""
+        if not self.npy.exists():
+            return not (self.filled.exists() or self.sums.exists())
+        try:
+            with open(self.npy, "rb") as f:
+                shape, fortran, dtype = npy_header(f)
+                self.offset = f.tell()
+            return (shape == (self.count, *self.item) and not fortran and dtype == np.uint8
+                    and os.path.getsize(self.npy) == self.offset + self.count * self.row
+                    and os.path.getsize(self.filled) == self.count and os.path.getsize(self.sums) == 4 * self.count)
+        except (OSError, ValueError, EOFError, TypeError, SyntaxError):  # numpy's errors on a damaged header
+            self.offset = None
+            return False
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fds": None}  # a file descriptor does not cross processes
 
-    def _open(self) -> tuple[int, int]:
-        if self._fds is None:
-            self._fds = (os.open(self.npy, os.O_RDWR), os.open(self.filled, os.O_RDWR))
+    def _make(self) -> None:
+        """The three files, each linked into place only if no other process made it first."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f"{self.key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            for path, size in ((self.filled, self.count), (self.sums, 4 * self.count), (self.npy, None)):
+                if size is None:
+                    np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8, shape=(self.count, *self.item)).flush()
+                else:
+                    with open(partial, "wb") as f:
+                        f.truncate(size)  # zeros: nothing filled
+                try:
+                    os.link(partial, path)
+                except FileExistsError:
+                    pass
+                partial.unlink()
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def _open(self, make: bool) -> tuple[int, int, int] | None:
+        if self._fds is not None:
+            return self._fds
+        if not make and not self.npy.exists():
+            return None
+        try:
+            if not self.npy.exists():
+                self._make()
+            if self.stats is not None:  # computed by this run: written (atomically) once the cache exists
+                write_stats(self.stats_file, self.key, **self.stats)
+            self._fds = tuple(os.open(p, os.O_RDWR) for p in (self.npy, self.filled, self.sums))
+            if self.offset is None:
+                with open(self.npy, "rb") as f:
+                    npy_header(f)
+                    self.offset = f.tell()
+        except (OSError, ValueError) as exc:  # a full disk, a folder made read-only, a header damaged meanwhile
+            raise FedltError(f"{WHAT}: cache {self.npy} cannot be used: {exc.strerror or first_line(exc)}"
+                             if isinstance(exc, OSError) else f"{WHAT}: cache {self.npy} is damaged: "
+                             f"{first_line(exc)}; remove it") from None
         return self._fds
 
     def get(self, position: int) -> np.ndarray | None:
-        rows, flags = self._open()
+        fds = self._open(make=False)
+        if fds is None:
+            return None
+        rows, flags, sums = fds
         if os.pread(flags, 1, position) != b"\x01":
             return None
-        return np.frombuffer(os.pread(rows, self.row, self.offset + position * self.row), dtype=np.uint8)
+        pixels = os.pread(rows, self.row, self.offset + position * self.row)
+        if len(pixels) != self.row or zlib.crc32(pixels).to_bytes(4, "little") != os.pread(sums, 4, 4 * position):
+            return None  # damaged since it was written: decoded (and written) again
+        return np.frombuffer(pixels, dtype=np.uint8)
 
     def put(self, position: int, pixels: np.ndarray) -> None:
-        rows, flags = self._open()
-        os.pwrite(rows, np.ascontiguousarray(pixels).tobytes(), self.offset + position * self.row)
-        os.pwrite(flags, b"\x01", position)  # after the row: a row marked filled is whole
+        rows, flags, sums = self._open(make=True)
+        data = np.ascontiguousarray(pixels).tobytes()
+        os.pwrite(rows, data, self.offset + position * self.row)
+        os.pwrite(sums, zlib.crc32(data).to_bytes(4, "little"), 4 * position)
+        os.pwrite(flags, b"\x01", position)  # last: a row marked filled is whole and has its sum
+
+
+def stats_digest(key: str, mean: list[float], std: list[float]) -> str:
+    return hashlib.sha256(json.dumps([CACHE_FORMAT, key, mean, std]).encode()).hexdigest()
+
+
+def write_stats(path: Path, key: str, mean: list[float], std: list[float]) -> None:
+    """The training split's statistics beside its cache, with their digest, written atomically."""
+    body = json.dumps({"mean": mean, "std": std, "sha256": stats_digest(key, mean, std)})
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        partial.write_text(body)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def read_stats(path: Path, key: str, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The statistics saved beside a cache, or None when there are none or they are damaged (not
+    JSON, a key missing, not ``channels`` finite numbers, a std not > 0, a digest that does not
+    match): then they are computed again."""
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 16:
+            return None
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        mean, std = saved["mean"], saved["std"]
+        numbers = all(isinstance(v, list) and len(v) == channels and all(
+            type(x) in (int, float) and np.isfinite(x) for x in v) for v in (mean, std))
+        if not numbers or min(std) <= 0 or saved["sha256"] != stats_digest(key, mean, std):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tuple(float(v) for v in mean), tuple(float(v) for v in std)
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,6 +434,7 @@ class ImageFiles:
     channels: int
     fit: str
     cache: Cache | None = None
+    stamps: np.ndarray | None = None  # (size, mtime_ns) per file when it was checked: the cache key and fingerprint
     # DataLoaders with persistent workers, kept per decoding (mean, std, transforms, workers, device)
     # and each lent to one stream at a time: a client's (or an evaluation's) stream reuses the worker
     # processes instead of starting its own (~0.1 s each); concurrent streams (split learning's
@@ -248,8 +447,9 @@ class ImageFiles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    def read(self, positions: np.ndarray) -> np.ndarray:
-        """uint8 (n, S, S, C) of the files at ``positions`` (from the cache where it holds them)."""
+    def read(self, positions: np.ndarray, keep: bool = True) -> np.ndarray:
+        """uint8 (n, S, S, C) of the files at ``positions`` (from the cache where it holds them;
+        what is decoded goes into it with ``keep``)."""
         out = np.empty((len(positions), self.size, self.size, self.channels), dtype=np.uint8)
         for k, p in enumerate(positions.tolist()):  # one file per image: decoding is per file anyway
             cached = None if self.cache is None else self.cache.get(p)
@@ -261,7 +461,7 @@ class ImageFiles:
             except Exception as exc:  # noqa: BLE001  (Pillow raises many kinds on a damaged file)
                 raise FedltError(f"{WHAT}: cannot decode {self.listing.where(p)}: "
                                  f"{type(exc).__name__}: {first_line(exc)[:160]}") from None
-            if self.cache is not None:
+            if self.cache is not None and keep:
                 self.cache.put(p, out[k])
         return out
 
@@ -321,6 +521,29 @@ class _Feed:
 
     def __iter__(self) -> Iterator[list[int]]:
         return self.batches
+
+
+def _dead_workers(loader: Any) -> str:
+    """The loader's worker processes that are gone, in words ('' when all are alive)."""
+    workers = getattr(getattr(loader, "_iterator", None), "_workers", None) or []
+    gone = []
+    for worker in workers:
+        if not worker.is_alive():
+            code = worker.exitcode
+            how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
+                   -code in signal.valid_signals() else f"exit code {code}")
+            gone.append(f"pid {worker.pid}, {how}")
+    return "; ".join(gone)
+
+
+def _shut_down(loader: Any) -> None:
+    """Stop a loader's remaining workers (torch's own shutdown; best effort: they may be gone)."""
+    iterator = getattr(loader, "_iterator", None)
+    try:
+        if iterator is not None:
+            iterator._shutdown_workers()
+    except Exception:  # noqa: BLE001  (a worker killed mid-shutdown; nothing more to stop)
+        pass
 
 
 _KEPT_LOCK = threading.Lock()  # the evaluation may read (in a thread) while clients train
@@ -409,6 +632,7 @@ class FileImages:
 
         loader, feed = kept = self._lend()
         feed.batches = positions()
+        broken = False
         try:
             with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
                 warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
@@ -418,9 +642,19 @@ class FileImages:
                 if isinstance(x, str):
                     raise FedltError(x)
                 yield idx, x.to(self.device, non_blocking=True)
+        except (RuntimeError, OSError, EOFError) as exc:  # a dead worker: "Connection reset by peer", "exited unexpectedly"
+            dead = _dead_workers(loader)
+            if not dead:
+                raise
+            broken = True
+            raise FedltError(f"{WHAT}: a --loader-workers process decoding the images died ({dead}); the run "
+                             "stopped before the round it was in could finish") from None
         finally:  # a stream left half-read is drained by the next one's iter()
             feed.batches = iter(())
-            self._give_back(kept)
+            if broken:  # its other workers are stopped, not lent again
+                _shut_down(loader)
+            else:
+                self._give_back(kept)
 
     def batches(self, labels: torch.Tensor, index_batches: Iterable[torch.Tensor]
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -444,6 +678,17 @@ class FileImages:
     def loading(self, workers: int) -> "FileImages":
         return replace(self, workers=int(workers))
 
+    def fingerprint(self) -> str:
+        """sha256 of the files (paths, sizes, modification times: the cache key), how they are
+        decoded and standardised, and which of them this source holds. Evaluation transforms are
+        not callables one can hash; they come from the run's settings, which a resume checks."""
+        files = self.files
+        stamps = files.stamps if files.stamps is not None else check_files(files.listing)
+        h = hashlib.sha256(cache_key(files.listing, stamps, files.size, files.channels, files.fit).encode())
+        h.update(json.dumps([self.mean, self.std, self.item_shape, len(self.transforms)]).encode())
+        h.update(np.ascontiguousarray(self.index, dtype="<i8").tobytes())
+        return h.hexdigest()
+
 
 # -- the dataset ----------------------------------------------------------------------------------
 def cache_key(listing: Listing, stamps: np.ndarray, size: int, channels: int, fit: str) -> str:
@@ -461,7 +706,8 @@ def pixel_statistics(files: ImageFiles, count: int) -> tuple[tuple[float, ...], 
     positions = np.unique(np.linspace(0, count - 1, min(count, STATS_IMAGES)).round().astype(np.int64))
     n, mean, m2 = 0, 0.0, 0.0
     for start in range(0, len(positions), 256):
-        block = files.read(positions[start:start + 256]).astype(np.float64) / 255.0
+        # not kept in the cache: a run refused after the dataset is opened (a bad split for the model) writes nothing
+        block = files.read(positions[start:start + 256], keep=False).astype(np.float64) / 255.0
         k = block.shape[0] * block.shape[1] * block.shape[2]  # (n, S, S, C): per channel, the last axis
         block_mean = block.mean(axis=(0, 1, 2))
         block_m2 = ((block - block_mean) ** 2).sum(axis=(0, 1, 2))
@@ -482,6 +728,15 @@ def _channel_values(name: str, values: Any, channels: int, positive: bool) -> tu
         raise FedltError(f"{WHAT}: {name} must be {channels} finite number(s){' > 0' if positive else ''}, one per "
                          f"channel, got {values!r}")
     return tuple(float(v) for v in values)
+
+
+def usable(folder: Path) -> None:
+    """A cache folder that is a folder (or can become one) and can be written."""
+    if folder.exists() and not folder.is_dir():
+        raise FedltError(f"{WHAT}: cache {folder} is not a folder")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FedltError(f"{WHAT}: cache folder {folder} cannot be written ({existing} is read-only)")
 
 
 def _whole(name: str, value: Any, lo: int, hi: int) -> int:
@@ -547,29 +802,20 @@ def imagefolder(root: str | Path | None = None, download: bool = False, image_si
         train, classes = list_folders(root, "train")
         test, _ = list_folders(root, "test", classes)
         num_classes, class_names = len(classes), tuple(classes)
-    sources = []
-    stats_file = None
-    for listing in (train, test):
-        stamps = check_files(listing)
-        store = None
-        if cache is not None:
-            key = cache_key(listing, stamps, size, channels, fit)
-            try:
-                store = Cache(Path(cache), key, len(listing.paths), (size, size, channels))
-            except OSError as exc:
-                raise FedltError(f"{WHAT}: cache folder {cache} cannot be used: {exc.strerror or first_line(exc)}"
-                                 ) from None
-            stats_file = stats_file or Path(cache) / f"{key}.stats.json"  # the training split's
-        sources.append(ImageFiles(listing, size, channels, fit, store))
-    if mean is not None:
-        stats = (_channel_values("mean", mean, channels, False), _channel_values("std", std, channels, True))
-    elif stats_file is not None and stats_file.is_file():
-        saved = json.loads(stats_file.read_text())
-        stats = (tuple(saved["mean"]), tuple(saved["std"]))
-    else:
+    given = None if mean is None else (_channel_values("mean", mean, channels, False),
+                                       _channel_values("std", std, channels, True))
+    stamps = [check_files(listing) for listing in (train, test)]  # every file, before any cache is touched
+    sources = [ImageFiles(listing, size, channels, fit, stamps=s) for listing, s in zip((train, test), stamps)]
+    if cache is not None:
+        usable(Path(cache))
+        sources = [replace(files, cache=Cache(Path(cache), cache_key(files.listing, files.stamps, size, channels, fit),
+                                              len(files.listing.paths), (size, size, channels))) for files in sources]
+    store = sources[0].cache
+    stats = given or (store and read_stats(store.stats_file, store.key, channels))
+    if not stats:
         stats = pixel_statistics(sources[0], len(train.paths))
-        if stats_file is not None:
-            stats_file.write_text(json.dumps({"mean": stats[0], "std": stats[1]}))
+        if store is not None:  # written beside the pixels once the cache is made (when the run trains)
+            store.stats = {"mean": [*stats[0]], "std": [*stats[1]]}
     x_train, x_test = (FileImages(files, np.arange(len(files.listing.paths)), *stats, (channels, size, size))
                        for files in sources)
     return InMemoryDataset("imagefolder", x_train, torch.from_numpy(train.labels), x_test,
