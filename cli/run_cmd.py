@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, overlay, resolve_partition
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, first_line
 from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
 
@@ -188,6 +188,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run a federated experiment and write its run directory."""
+    from fedlt.algorithms.protocol import InjectedFault
     from fedlt.config import DEFAULT_PARTITION, RunConfig, merge, read_config_file
     from fedlt.engine import RunStopped
     from fedlt.engine import run as run_experiment
@@ -294,6 +295,10 @@ def run(
         typer.echo(f"stopped after round {stop.round} (signal {stop.signum}); checkpoint saved; "
                    f"continue with: fedlt run --resume {stop.out}", err=True)
         raise typer.Exit(128 + stop.signum) from None
+    except InjectedFault as exc:  # the failure the availability scripted, not a bug: one line, no traceback
+        raise FedltError(f"{first_line(exc)}, as the scripted availability asked; under on_failure=stop a failed "
+                         f"client ends the run (--on-failure drop leaves it out of the round); "
+                         f"{kept_checkpoint(Path(cfg.out))}") from None
     except KeyboardInterrupt as exc:  # a second signal, or a Ctrl-C before the first round: say what is on disk
         progress.stop()
         typer.echo(f"stopped at once; {kept_checkpoint(Path(cfg.out))}", err=True)

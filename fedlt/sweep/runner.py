@@ -10,6 +10,7 @@ once. A failed run is recorded with its one-line error and the others go on.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -89,10 +90,19 @@ def sweep(study: Study, out: Path, *, executor: str = "local", executor_params: 
     engine = EXECUTORS.create(executor, **(executor_params or {}))
     threads = threads or engine.threads_per_run()
     rundir.check_directory(out, "study directory")
+    tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)  # checked: nothing made yet
+    created = out  # the outermost directory this call creates, if any
+    while not created.parent.exists():
+        created = created.parent
+    created = None if created.exists() else created
     out.mkdir(parents=True, exist_ok=True)
-    tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)
-    for spec in tracking:
-        track.prepare(spec)
+    try:
+        for spec in tracking:
+            track.prepare(spec)
+    except BaseException:
+        if created is not None:  # a refused --track leaves no study directory behind (all in it is the trackers')
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     jobs, done = jobs_of(study, out, manifest, threads, tracking)
     runs = {r["id"]: r for r in manifest["runs"]}
     for job in jobs:
