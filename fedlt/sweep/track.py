@@ -201,6 +201,12 @@ class TensorBoardTracker:
         self.root = Path(uri) if uri else Path(study_dir) / "tensorboard"
         self.writer: Any = None
 
+    @staticmethod
+    def check(study_dir: Path, uri: str | None) -> None:
+        """The event files' directory can be written (or made); the default is the study's own."""
+        if uri is not None:
+            rundir.check_directory(Path(uri), "--tracking-uri (TensorBoard's directory)")
+
     def start(self, run_id: str, config: dict[str, Any], rounds_done: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
