@@ -188,6 +188,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run a federated experiment and write its run directory."""
+    import fedlt.availability
     from fedlt.algorithms.protocol import InjectedFault
     from fedlt.config import DEFAULT_PARTITION, RunConfig, merge, read_config_file
     from fedlt.engine import RunStopped
@@ -257,6 +258,9 @@ def run(
     if "out" not in overrides and "out" not in base:
         overrides["out"] = f"runs/{overrides.get('algorithm', base.get('algorithm', 'scala'))}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = RunConfig.model_validate(merge(base, overrides))
+    if resume is None:  # a new run: a scripted fault past its last round is a typo (issue 35)
+        fedlt.availability.create(cfg.availability["name"], **{k: v for k, v in cfg.availability.items()
+                                                              if k != "name"}).check_run(cfg.clients, cfg.rounds)
     if threads is not None:
         import torch
 

@@ -207,13 +207,14 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _availability_fits_the_run(self) -> "RunConfig":
-        """Scripted faults naming a client or a round this run does not have are refused (the
-        availability's ``check_run``), now that ``clients`` and ``rounds`` are known."""
+        """Scripted faults naming a client this run does not have are refused (the availability's
+        ``check_run``), now that ``clients`` is known; rounds beyond ``rounds`` are refused for a
+        new run by ``fedlt run`` (a run cut early and resumed with more rounds keeps them)."""
         import fedlt.availability
 
         availability = create_from_spec(fedlt.availability.REGISTRY, self.availability, "availability")
         try:
-            availability.check_run(self.clients, self.rounds)
+            availability.check_run(self.clients)
         except FedltError as exc:
             raise ValueError(str(exc)) from None
         return self
