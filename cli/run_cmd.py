@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedlt.cli.app import app
-from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, overlay, resolve_partition
+from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, check_threads, overlay, resolve_partition
 from fedlt.errors import FedltError, first_line
 from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
@@ -194,8 +194,7 @@ def run(
     from fedlt.engine import RunStopped
     from fedlt.engine import run as run_experiment
 
-    if threads is not None and threads < 1:
-        raise FedltError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     if resume is not None:
         if config is not None:
             raise FedltError("--resume continues a run with the settings in its config.json; drop --config")

@@ -10,6 +10,7 @@ import typer
 
 from fedlt.cli.app import app
 from fedlt.cli.run_cmd import set_value
+from fedlt.cli.flags import check_threads
 from fedlt.errors import FedltError
 
 
@@ -154,8 +155,7 @@ def sweep(
     out = out or named_out
     if out is None:
         raise FedltError("name the study directory with --out")
-    if threads is not None and threads < 1:
-        raise FedltError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     params: dict[str, Any] = {}
     for item in executor_param or []:
         path, value = set_value(item)
