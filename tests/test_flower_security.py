@@ -63,7 +63,8 @@ def make_credentials(where: Path) -> None:
     nothing here); an OpenSSH EC key pair per node and one for a ``stranger`` never registered."""
     pem = serialization.Encoding.PEM
     ca_key, other_key, server_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    (where / "ca.crt").write_bytes(_certificate("fedlt test CA", ca_key, "fedlt test CA", ca_key, ca=True).public_bytes(pem))
+    (where / "ca.crt").write_bytes(
+        _certificate("fedlt test CA", ca_key, "fedlt test CA", ca_key, ca=True).public_bytes(pem))
     (where / "other-ca.crt").write_bytes(
         _certificate("another CA", other_key, "another CA", other_key, ca=True).public_bytes(pem))
     (where / "server.pem").write_bytes(
