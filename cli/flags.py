@@ -28,6 +28,17 @@ PARTITION_OPTIONS = dict(
 )
 PartitionFlag = Optional[str]
 
+# torch's intra-op threads per process: beyond this torch (OpenMP) fails to create them, and past
+# a long long it crashes the interpreter (--threads 99999999 was a segmentation fault)
+MAX_THREADS = 1024
+
+
+def check_threads(threads: int | None) -> None:
+    """``--threads``: None (torch's default) or 1 .. MAX_THREADS, else one line."""
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        shown = threads if abs(threads) < 10**12 else f"about 1e{int(threads.bit_length() * 0.30103)}"
+        raise FedltError(f"--threads must be from 1 to {MAX_THREADS}, got {shown}")
+
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedlt.cli.app import app
-from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, overlay, resolve_partition
-from fedlt.errors import FedltError
+from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, check_threads, overlay, resolve_partition
+from fedlt.errors import FedltError, first_line
 from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
 
@@ -188,12 +188,13 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ) -> None:
     """Run a federated experiment and write its run directory."""
+    import fedlt.availability
+    from fedlt.algorithms.protocol import InjectedFault
     from fedlt.config import DEFAULT_PARTITION, RunConfig, merge, read_config_file
     from fedlt.engine import RunStopped
     from fedlt.engine import run as run_experiment
 
-    if threads is not None and threads < 1:
-        raise FedltError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     if resume is not None:
         if config is not None:
             raise FedltError("--resume continues a run with the settings in its config.json; drop --config")
@@ -256,6 +257,9 @@ def run(
     if "out" not in overrides and "out" not in base:
         overrides["out"] = f"runs/{overrides.get('algorithm', base.get('algorithm', 'scala'))}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = RunConfig.model_validate(merge(base, overrides))
+    if resume is None:  # a new run: a scripted fault past its last round is a typo (issue 35)
+        fedlt.availability.create(cfg.availability["name"], **{k: v for k, v in cfg.availability.items()
+                                                              if k != "name"}).check_run(cfg.clients, cfg.rounds)
     if threads is not None:
         import torch
 
@@ -294,6 +298,10 @@ def run(
         typer.echo(f"stopped after round {stop.round} (signal {stop.signum}); checkpoint saved; "
                    f"continue with: fedlt run --resume {stop.out}", err=True)
         raise typer.Exit(128 + stop.signum) from None
+    except InjectedFault as exc:  # the failure the availability scripted, not a bug: one line, no traceback
+        raise FedltError(f"{first_line(exc)}, as the scripted availability asked; under on_failure=stop a failed "
+                         f"client ends the run (--on-failure drop leaves it out of the round); "
+                         f"{kept_checkpoint(Path(cfg.out))}") from None
     except KeyboardInterrupt as exc:  # a second signal, or a Ctrl-C before the first round: say what is on disk
         progress.stop()
         typer.echo(f"stopped at once; {kept_checkpoint(Path(cfg.out))}", err=True)

@@ -10,6 +10,7 @@ import typer
 
 from fedlt.cli.app import app
 from fedlt.cli.run_cmd import set_value
+from fedlt.cli.flags import check_threads
 from fedlt.errors import FedltError
 
 
@@ -154,8 +155,7 @@ def sweep(
     out = out or named_out
     if out is None:
         raise FedltError("name the study directory with --out")
-    if threads is not None and threads < 1:
-        raise FedltError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     EXECUTORS.get(executor)  # first: an unknown executor is named before any of its options
     params: dict[str, Any] = {}
     for item in executor_param or []:
@@ -238,5 +238,9 @@ def _run(the_study: Any, out: Path, executor: str, params: dict[str, Any], exten
     if result.stop_signal is not None or result.count("stopped"):
         typer.echo(f"stopped; continue with: fedlt sweep {out}", err=True)
         raise typer.Exit(130)
-    if result.failed:
+    untracked = sorted(run_id for run_id, outcome in result.outcomes.items() if outcome.warnings)
+    if untracked:  # tracking was asked for: runs that lost it are not a success
+        typer.echo(f"tracking incomplete for {len(untracked)} run(s) ({', '.join(untracked[:5])}"
+                   f"{', ...' if len(untracked) > 5 else ''}): see the warnings above", err=True)
+    if result.failed or untracked:
         raise typer.Exit(1)

@@ -70,6 +70,11 @@ class Availability:
         (it returns a non-finite update); None for none (only ``scripted`` injects)."""
         return None
 
+    def check_run(self, clients: int, rounds: int | None = None) -> None:
+        """Refuse (FedltError) settings that name a client the run does not have (RunConfig
+        checks this) or, given ``rounds``, a round beyond it (``fedlt run`` checks a new run: a
+        run cut early and resumed with more rounds keeps the faults of its later rounds)."""
+
     def leaves_at(self, seed: int, round_index: int, cid: int, iterations: int) -> int:
         """The local iteration (0-based) at which an unavailable split-learning client leaves."""
         return min(int(uniform(seed, round_index, cid, 2) * iterations), max(iterations - 1, 0))
@@ -213,6 +218,18 @@ class Scripted(Availability):
     def fault(self, seed: int, round_index: int, cid: int) -> str | None:
         key = (round_index + 1, cid)
         return "raise" if key in self.fails else "nan" if key in self.corrupts else None
+
+    def check_run(self, clients: int, rounds: int | None = None) -> None:
+        """A scripted fault of a client or a round that does not exist would never happen: a typo
+        in a failure scenario, refused instead of a run that silently tests nothing."""
+        for field in ("drops", "fails", "corrupts"):
+            for r, c in sorted(getattr(self, field)):
+                if c >= clients:
+                    raise FedltError(f"availability 'scripted': {field} names client {c} (round {r}), but the run "
+                                     f"has {clients} client(s): 0 to {clients - 1}")
+                if rounds is not None and r > rounds:
+                    raise FedltError(f"availability 'scripted': {field} names round {r} (client {c}), but the run "
+                                     f"has {rounds} round(s): 1 to {rounds}")
 
     def __repr__(self) -> str:
         return f"scripted(drops={sorted(map(list, self.drops))}, when={self.when!r})"

@@ -26,6 +26,7 @@ MAX_ROUNDS = 100_000
 MAX_LOCAL_ITERS = 100_000
 MAX_LOCAL_EPOCHS = 1_000
 MAX_BATCH = 1_000_000
+MAX_WORKERS = 1_024  # processes, not threads: beyond any one machine's cores (a typo, not a plan)
 
 # The partition a run uses when none is given (also what `fedlt partition` shows without flags).
 DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
@@ -188,12 +189,36 @@ class RunConfig(Strict):
     @field_validator("workers", mode="before")
     @classmethod
     def _worker_count(cls, value: Any) -> Any:
-        text = str(value).strip()
+        if isinstance(value, int) and not isinstance(value, bool):  # compared, never printed whole
+            if not 1 <= value <= MAX_WORKERS:
+                raise ValueError(f"must be a number of processes from 1 to {MAX_WORKERS} (or 'auto'), got "
+                                 f"{value if abs(value) < 10**12 else f'about 1e{int(value.bit_length() * 0.30103)}'}")
+            return value
+        text = str(value).strip() if isinstance(value, str) else None
         if text == "auto":
             return text
-        if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
-            raise ValueError(f"must be a number of processes (1 or more) or 'auto', got {value!r}")
+        got = repr(value) if text is None or len(text) <= 40 else repr(f"{text[:37]}...")
+        # ASCII digits only ('²' is a digit to str.isdigit, not to int), its length checked before
+        # int() reads it: "1" * 5000 is refused by its size
+        if text is None or not (text.isascii() and text.isdigit()) or not text.strip("0"):
+            raise ValueError(f"must be a number of processes (1 or more) or 'auto', got {got}")
+        if len(text.lstrip("0")) > len(str(MAX_WORKERS)) or int(text) > MAX_WORKERS:
+            raise ValueError(f"must be a number of processes from 1 to {MAX_WORKERS} (or 'auto'), got {got}")
         return int(text)
+
+    @model_validator(mode="after")
+    def _availability_fits_the_run(self) -> "RunConfig":
+        """Scripted faults naming a client this run does not have are refused (the availability's
+        ``check_run``), now that ``clients`` is known; rounds beyond ``rounds`` are refused for a
+        new run by ``fedlt run`` (a run cut early and resumed with more rounds keeps them)."""
+        import fedlt.availability
+
+        availability = create_from_spec(fedlt.availability.REGISTRY, self.availability, "availability")
+        try:
+            availability.check_run(self.clients)
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
     groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")

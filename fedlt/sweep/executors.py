@@ -28,6 +28,9 @@ from fedlt.engine import RunStopped, run
 from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
 from fedlt.sweep import track
+from fedlt.sweep.net import reachable
+
+CONNECT_TIMEOUT = 10.0  # seconds for a Ray cluster's address to accept a connection
 
 EXECUTORS: Registry[Any] = Registry("executor")
 
@@ -274,6 +277,12 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, runtime_env: dict[str, Any] | None = None) -> None:
         self.address, self.runtime_env = address, runtime_env
+        if isinstance(address, str) and address not in ("auto", "local"):  # a cluster elsewhere: answering?
+            host, _, port = address.removeprefix("ray://").rpartition(":")
+            if not host or not port.isdigit():
+                raise FedltError(f"--executor ray: address {address!r} must be auto, local, HOST:PORT or "
+                                 "ray://HOST:PORT")
+            reachable(host.strip("[]"), int(port), CONNECT_TIMEOUT, "--executor ray: the Ray cluster")
         self._running: dict[Any, Job] = {}
         self._stopping = False
 
@@ -285,8 +294,12 @@ class RayExecutor:
             import ray
         except ImportError:
             raise FedltError('the ray executor needs Ray: pip install -e ".[flower]"') from None
-        ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False,
-                 configure_logging=False)
+        try:
+            ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False,
+                     configure_logging=False)
+        except (ConnectionError, TimeoutError, RuntimeError, ValueError) as exc:  # Ray's own bounded wait ran out
+            raise FedltError(f"--executor ray: could not join the Ray cluster at {self.address or 'a new local Ray'}: "
+                             f"{type(exc).__name__}: {first_line(exc)[:300]}") from None
         try:
             slots = max(int(ray.cluster_resources().get("CPU", 1)), 1)
             pending = list(jobs)

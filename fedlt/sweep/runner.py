@@ -11,6 +11,7 @@ once. A failed run is recorded with its one-line error and the others go on.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -56,11 +57,12 @@ def _relay_signals(stop: Callable[[int], None]) -> Iterator[None]:
 
 
 @contextmanager
-def claim_study(out: Path) -> Iterator[None]:
+def claim_study(out: Path) -> Iterator[list[Path]]:
     """Hold ``out`` for one sweep: created if needed, then an exclusive lock on ``out/.fedlt.lock``
     holding our PID (``rundir``: atomic, and a killed holder never blocks, the kernel drops its
     lock); a second sweep into it is refused naming the first. On exit the lock file goes, and a
-    directory this call created and left empty (a refusal) is removed."""
+    directory this call created and left empty (a refusal) is removed. Yields the directories it
+    created, deepest first."""
     rundir.check_directory(out, "study directory")
     created = rundir._created_dirs(out)
     try:
@@ -70,7 +72,7 @@ def claim_study(out: Path) -> Iterator[None]:
     fd = None
     try:
         fd = rundir._lock(out, "one fedlt sweep per study directory; wait for it to end, or use another --out")
-        yield
+        yield created
     finally:
         if fd is not None:
             (out / rundir.LOCK_NAME).unlink(missing_ok=True)  # still held: nobody took it meanwhile
@@ -116,19 +118,30 @@ def sweep(study: Study, out: Path, *, executor: str = "local", executor_params: 
     out = Path(out)
     plan(study, out, extend=extend)  # a bad study or a changed grid: refused before anything is created
     engine = executors.create(executor, executor_params or {})
-    with claim_study(out):
-        return _sweep_claimed(study, out, engine, extend, threads or engine.threads_per_run(), track_with,
-                              tracking_uri, on_plan, on_event)
+    tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)  # checked: nothing made yet
+    with claim_study(out) as created:
+        prepare_tracking(tracking, created)
+        return _sweep_claimed(study, out, engine, extend, threads or engine.threads_per_run(), tracking,
+                              on_plan, on_event)
 
 
-def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: int, track_with: tuple[str, ...],
-                   tracking_uri: str | None, on_plan: Callable[[dict[str, Any], list[Job]], None] | None,
+def prepare_tracking(tracking: tuple[dict[str, Any], ...], created: list[Path]) -> None:
+    """Open each tracker's store; a refusal leaves no study directory behind (all that is in one
+    this call created is the trackers')."""
+    try:
+        for spec in tracking:
+            track.prepare(spec)
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)
+        raise
+
+
+def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: int,
+                   tracking: tuple[dict[str, Any], ...], on_plan: Callable[[dict[str, Any], list[Job]], None] | None,
                    on_event: Callable[[str, str, Outcome | None], None] | None) -> SweepResult:
     """``sweep`` once ``out`` is held: planned again (another sweep may have run meanwhile), then run."""
     manifest = plan(study, out, extend=extend)
-    tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)
-    for spec in tracking:
-        track.prepare(spec)
     jobs, done = jobs_of(study, out, manifest, threads, tracking)
     runs = {r["id"]: r for r in manifest["runs"]}
     for job in jobs:

@@ -12,22 +12,35 @@ install command. The study's coordinator calls ``prepare(spec)`` once before any
   metrics column per round (step = round), and the run directory as artifacts at the end.
   Default store: ``sqlite:///<study>/mlflow.db``, artifacts under ``<study>/mlartifacts``.
 
-A tracker that fails (a store that cannot be reached, ...) is dropped for the rest of its run
-with one warning line; the run itself goes on (tracking is a side channel).
+A store is checked before the study directory is created (``spec_for``): an unknown tracker, a
+URI MLflow cannot use, a sqlite file that is not a database or cannot be written, a tracking
+server that does not answer within ``TIMEOUT`` seconds — each is one line naming the URI (and
+the address). A tracker that fails later, during a run, is dropped for the rest of that run with
+one warning line; the run itself goes on (tracking is a side channel), and the study's last line
+says which runs lost their tracking.
 - ``tensorboard``: event files per run in ``<study>/tensorboard/<run id>/``, one scalar per
   numeric metrics column (tag ``accuracy``, ``train_loss``, ...; step = round).
 """
 
 from __future__ import annotations
 
+import os
+import sqlite3
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from fedlt.errors import FedltError
+from fedlt import rundir
+from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
+from fedlt.sweep.net import answers_http
 
 TRACKERS: Registry[Any] = Registry("tracker")
 INSTALL = 'pip install -e ".[track]"'
+TIMEOUT = 10.0  # seconds: a tracking server's answer, per request (MLflow's own default is 120 s, 7 retries)
+# MLflow's stores fedlt checks and uses; a file store is refused by MLflow 3 itself, a database
+# server (postgresql, mysql) would need a connection check of its own
+SCHEMES = ("sqlite", "http", "https")
 
 
 def numbers(row: dict[str, Any]) -> dict[str, float]:
@@ -47,9 +60,11 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def spec_for(name: str, study_dir: Path, uri: str | None = None) -> dict[str, Any]:
-    """What a worker needs to build tracker ``name`` for the study in ``study_dir``."""
-    TRACKERS.get(name)  # one line naming the valid trackers
+    """What a worker needs to build tracker ``name`` for the study in ``study_dir``; the tracker's
+    store is checked here, before anything is created (the tracker's ``check_uri``)."""
+    tracker = TRACKERS.get(name)  # one line naming the valid trackers
     study_dir = Path(study_dir).resolve()
+    getattr(tracker, "check", lambda study_dir, uri: None)(study_dir, uri)
     return {"name": name, "study_dir": str(study_dir), "uri": uri, "experiment": study_dir.name}
 
 
@@ -59,9 +74,36 @@ def create(spec: dict[str, Any]) -> Any:
 
 
 def prepare(spec: dict[str, Any]) -> None:
-    """Once, in the coordinator, before any run starts."""
+    """Once, in the coordinator, before any run starts: any failure is one line naming the store."""
     tracker = create(spec)
-    getattr(tracker, "prepare", lambda: None)()
+    try:
+        getattr(tracker, "prepare", lambda: None)()
+    except FedltError:
+        raise
+    except Exception as exc:  # MLflow's and SQLAlchemy's errors share no base; their text is many lines
+        where = getattr(tracker, "uri", spec.get("uri"))
+        raise FedltError(f"--track {spec['name']}: the store {where} could not be used: "
+                         f"{type(exc).__name__}: {first_line(exc)[:300]}") from None
+
+
+def check_sqlite(uri: str, path: Path) -> None:
+    """An existing file must be a sqlite database this process can write; a new one must be
+    creatable (its directory writable). Nothing is created here."""
+    if not path.exists():
+        rundir.check_directory(path.parent, f"--tracking-uri {uri}: the directory")
+        return
+    if not path.is_file():
+        raise FedltError(f"--tracking-uri {uri}: {path} is not a regular file")
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, timeout=TIMEOUT)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()  # "file is not a database"
+            db.execute("BEGIN IMMEDIATE")  # a write lock: refused on a read-only file or file system
+            db.rollback()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise FedltError(f"--tracking-uri {uri}: {path} cannot be used as MLflow's store ({exc})") from None
 
 
 @TRACKERS.register("mlflow")
@@ -72,11 +114,39 @@ class MLflowTracker:
         except ImportError:
             raise FedltError(f"--track mlflow needs MLflow: {INSTALL}") from None
         # several workers write at once: wait for sqlite's lock (60 s) instead of failing at 5 s
-        self.uri = uri or f"sqlite:///{Path(study_dir) / 'mlflow.db'}?timeout=60"
+        self.uri = uri or self.default_uri(Path(study_dir))
         self.artifacts = (Path(study_dir) / "mlartifacts").as_uri()
         self.experiment = experiment
+        # a server that hangs must not hang the study: bounded requests, few retries (unless the
+        # user set MLflow's own variables); inherited by the workers
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(TIMEOUT)))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         self.client = MlflowClient(tracking_uri=self.uri)
         self.run_id: str | None = None
+
+    @staticmethod
+    def default_uri(study_dir: Path) -> str:
+        return f"sqlite:///{study_dir / 'mlflow.db'}?timeout=60"
+
+    @classmethod
+    def check(cls, study_dir: Path, uri: str | None) -> None:
+        """A store fedlt can check and MLflow can use: ``sqlite:///path`` (a database, or a file
+        that can be created) or ``http(s)://host:port`` answering within ``TIMEOUT`` seconds."""
+        uri = uri or cls.default_uri(study_dir)
+        try:
+            parts = urlsplit(uri)
+        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+            raise FedltError(f"--tracking-uri {uri!r} is not a URI ({exc})") from None
+        if parts.scheme not in SCHEMES:
+            raise FedltError(f"--tracking-uri {uri!r}: expected sqlite:///PATH or http(s)://HOST:PORT "
+                             f"(an MLflow server)")
+        if parts.scheme == "sqlite":
+            if parts.netloc or not parts.path.startswith("/") or parts.path == "/":
+                raise FedltError(f"--tracking-uri {uri!r}: a sqlite store is sqlite:///relative/path.db or "
+                                 "sqlite:////absolute/path.db")
+            check_sqlite(uri, Path(parts.path[1:]))
+            return
+        answers_http(uri, TIMEOUT, "--tracking-uri: the MLflow server")
 
     def _experiment_id(self) -> str:
         found = self.client.get_experiment_by_name(self.experiment)
@@ -130,6 +200,12 @@ class TensorBoardTracker:
             raise FedltError(f"--track tensorboard needs TensorBoard: {INSTALL}") from None
         self.root = Path(uri) if uri else Path(study_dir) / "tensorboard"
         self.writer: Any = None
+
+    @staticmethod
+    def check(study_dir: Path, uri: str | None) -> None:
+        """The event files' directory can be written (or made); the default is the study's own."""
+        if uri is not None:
+            rundir.check_directory(Path(uri), "--tracking-uri (TensorBoard's directory)")
 
     def start(self, run_id: str, config: dict[str, Any], rounds_done: int) -> None:
         from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,205 @@
+"""Deployment security on loopback (docs/flower.md, "Deployment: SuperLink and SuperNodes"): a
+SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode
+authentication (Flower's node keys, registered with ``flwr supernode register``). A SuperNode
+whose key was never registered is refused, one that trusts another CA cannot connect, one
+without TLS cannot either; the two registered nodes complete a FedAvg and a SCALA run through
+``flwr run`` that end where the local engine ends. Every process is started on 127.0.0.1 in a
+process group of its own and stopped by it; every wait is bounded."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+from cryptography import x509  # noqa: E402  (a dependency of flwr)
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+from fedlt import io  # noqa: E402
+from fedlt.config import RunConfig  # noqa: E402
+from fedlt.engine import run  # noqa: E402
+from fedlt.flower.deploy import connection_toml, write_app  # noqa: E402
+from fedlt.testing.engines import differences  # noqa: E402
+
+BIN = Path(sys.executable).parent
+ROUND = {"clients": 2, "participation": 1.0, "rounds": 1, "train_limit": 200, "test_limit": 50, "server_batch": 16,
+         "local_iters": 1, "eval_every": 1, "partition": {"name": "dirichlet", "beta": 0.5, "min_size": 5}}
+CASES = {"fedavg": {"model": "mlp"}, "scala": {"model": "alexnet", "split": "s2"}}
+NODES = ("node0", "node1")
+
+
+# -- certificates and node keys, made here --------------------------------------------------------------
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
+                 *, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:  # the server's name as the SuperNodes dial it
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
+def make_credentials(where: Path) -> None:
+    """``ca.crt``; ``server.pem`` / ``server.key`` signed by it; ``other-ca.crt`` (a CA that signed
+    nothing here); an OpenSSH EC key pair per node and one for a ``stranger`` never registered."""
+    pem = serialization.Encoding.PEM
+    ca_key, other_key, server_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    (where / "ca.crt").write_bytes(
+        _certificate("fedlt test CA", ca_key, "fedlt test CA", ca_key, ca=True).public_bytes(pem))
+    (where / "other-ca.crt").write_bytes(
+        _certificate("another CA", other_key, "another CA", other_key, ca=True).public_bytes(pem))
+    (where / "server.pem").write_bytes(
+        _certificate("127.0.0.1", server_key, "fedlt test CA", ca_key, ca=False).public_bytes(pem))
+    (where / "server.key").write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                                serialization.NoEncryption()))
+    for node in (*NODES, "stranger"):  # Flower's node keys: EC on a NIST curve, OpenSSH format
+        key = ec.generate_private_key(ec.SECP384R1())
+        (where / node).write_bytes(key.private_bytes(pem, serialization.PrivateFormat.OpenSSH,
+                                                     serialization.NoEncryption()))
+        (where / f"{node}.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                          serialization.PublicFormat.OpenSSH))
+
+
+# -- processes --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Processes:
+    """Flower's commands started in process groups of their own, logs in ``root``; ``stop``
+    ends exactly these groups (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.root, self.env, self.started = root, env, []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "w")
+        proc = subprocess.Popen([str(BIN / args[0]), *args[1:]], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    """A TLS SuperLink with SuperNode authentication, the two node keys registered, a SuperNode
+    per key running (TLS, authenticated)."""
+    root = tmp_path_factory.mktemp("secure")
+    keys = root / "keys"
+    keys.mkdir()
+    make_credentials(keys)
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_HOME": str(root / "home"),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
+    (root / "home").mkdir()
+    link = free_port()
+    (root / "home" / "config.toml").write_text(connection_toml("lab", f"127.0.0.1:{link}", str(keys / "ca.crt")))
+    procs = Processes(root, env)
+    try:
+        procs.start("superlink", "flower-superlink", "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
+                    "--port", str(link), "--ssl-ca-certfile", str(keys / "ca.crt"), "--ssl-certfile",
+                    str(keys / "server.pem"), "--ssl-keyfile", str(keys / "server.key"), "--enable-supernode-auth")
+        deadline = time.monotonic() + 120
+        while not listening(link):
+            assert time.monotonic() < deadline, procs.log("superlink")[-2000:]
+            time.sleep(0.5)
+        registrations = [procs.start(f"register-{node}", "flwr", "supernode", "register", str(keys / f"{node}.pub"),
+                                     "lab", "--format", "json") for node in NODES]
+        for node, proc in zip(NODES, registrations):
+            assert proc.wait(timeout=120) == 0, procs.log(f"register-{node}")[-2000:]
+            assert json.loads(procs.log(f"register-{node}"))["success"] is True
+        for k, node in enumerate(NODES):
+            procs.start(node, "flower-supernode", "--superlink", f"127.0.0.1:{link}", "--root-certificates",
+                        str(keys / "ca.crt"), "--auth-supernode-private-key", str(keys / node),
+                        "--node-config", f"partition-id={k} num-partitions=2", "--host", "127.0.0.1",
+                        "--port", str(free_port()))
+        yield root, link, procs
+    finally:
+        procs.stop()
+
+
+# What a SuperNode that must not get in is started with, and the words its refusal is logged with.
+INTRUDERS = {
+    "unknown key": (["--root-certificates", "ca.crt", "--auth-supernode-private-key", "stranger"],
+                    "Failed to activate SuperNode"),
+    "wrong CA": (["--root-certificates", "other-ca.crt", "--auth-supernode-private-key", "node0"],
+                 "CERTIFICATE_VERIFY_FAILED"),
+    "no TLS": (["--insecure"], "could not establish a connection"),  # (Flower refuses a key without TLS itself)
+}
+
+
+def test_a_node_with_an_unknown_key_the_wrong_ca_or_no_tls_is_refused(secure):
+    root, link, procs = secure
+    started = {}
+    for case, (args, _) in INTRUDERS.items():  # all at once: each waits out Flower's bounded retries
+        args = [str(root / "keys" / a) if (root / "keys" / a).is_file() else a for a in args]
+        started[case] = procs.start(f"intruder-{case.replace(' ', '-')}", "flower-supernode", "--superlink",
+                                    f"127.0.0.1:{link}", *args, "--node-config", "partition-id=0 num-partitions=2",
+                                    "--host", "127.0.0.1", "--port", str(free_port()), "--max-retries", "1",
+                                    "--max-wait-time", "20")
+    for case, proc in started.items():
+        code = proc.wait(timeout=120)
+        log = procs.log(f"intruder-{case.replace(' ', '-')}")
+        assert code != 0 and INTRUDERS[case][1] in log, f"{case}: exit {code}\n{log[-2000:]}"
+    assert "No SuperNode found with the given public key" in procs.log("superlink")
+
+
+def test_an_authenticated_tls_federation_ends_where_the_local_engine_ends(secure):
+    root, _, procs = secure
+    app = write_app(root / "app")
+    for algorithm, settings in CASES.items():
+        config = {**ROUND, **settings, "algorithm": algorithm}
+        deployed = root / f"deployed-{algorithm}"
+        (root / f"{algorithm}.json").write_text(json.dumps({**config, "out": str(deployed)}))
+        proc = subprocess.run([str(BIN / "flwr"), "run", str(app), "lab", "--stream", "--run-config",
+                               f'config="{root / f"{algorithm}.json"}" node-wait=120'],
+                              env=procs.env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        local = RunConfig(**config, out=root / f"local-{algorithm}")
+        run(local)
+        ends = [io.load_checkpoint(d / "checkpoint.pt") for d in (Path(local.out), deployed)]
+        for part in ("algorithm", "client_states"):
+            found = differences(ends[0][part], ends[1][part], 1e-6)  # the engine contract's tolerance
+            assert not found, f"{algorithm}: {part} differs between local and the deployment: {found[:3]}"
+        rows = [json.loads(line) for line in (deployed / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["participants"] == 2 and rows[-1]["round"] == 1
