@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedlt.server_steps import creff, retrain_classifier
+from fedlt.server_steps import ccvr, creff, retrain_classifier
 
 GOLDEN = Path(__file__).parent / "golden"
 T = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
@@ -105,3 +105,71 @@ def test_creff_client_gradients(creff_golden):
     # mutant: the gradient under the model's own classifier instead of the re-trained one sent
     own = creff.class_gradients({"weight": model.classifier.weight, "bias": model.classifier.bias}, x[y == 0], 0)
     assert not _close(own[0], T(g["gradients"]["0"][0]))
+
+
+# -- CCVR (reference: FL-bench; the paper's authors published no code) ------------------------------
+@pytest.fixture(scope="module")
+def ccvr_golden() -> dict:
+    data = json.loads((GOLDEN / "ccvr.json").read_text())
+    assert data["source"]["repo"] == "https://github.com/KarhouTam/FL-bench"
+    assert len(data["source"]["commit"]) == 40
+    return data
+
+
+def _ccvr_uploads(golden: dict) -> list[dict]:
+    c = golden["clients"]
+    return [ccvr.class_stats(T(x), torch.tensor(y), 4) for x, y in zip(c["features"], c["labels"])]
+
+
+def test_ccvr_client_statistics(ccvr_golden):
+    for mine, ref in zip(_ccvr_uploads(ccvr_golden), ccvr_golden["clients"]["uploads"]):
+        assert mine["counts"].tolist() == ref["counts"]
+        assert _close(mine["means"], T(ref["means"]))
+        n = mine["counts"].double().clamp(min=2)[:, None, None]
+        # fedlt uploads the unbiased covariance (the paper's eq. 4 reads it so); FL-bench's is biased
+        assert _close(mine["covs"], T(ref["biased_covs"]) * n / (n - 1))
+        assert not _close(mine["covs"], T(ref["biased_covs"]))  # mutant: FL-bench's biased one
+
+
+def test_ccvr_pooled_statistics(ccvr_golden):
+    total, mean, cov = ccvr.pooled_class_stats(_ccvr_uploads(ccvr_golden))
+    ref = ccvr_golden["pooled"]
+    for c in range(4):
+        assert _close(mean[c], T(ref["means"][c]))
+        if ref["covs"][c] is not None:  # FL-bench skips classes with one sample; fedlt leaves them 0
+            assert _close(cov[c], T(ref["covs"][c]))
+        else:
+            assert int(total[c]) < 2 and not cov[c].any()
+    # the pooled covariance is that of all the features together (float64, written another way)
+    x = torch.cat([T(f) for f in ccvr_golden["clients"]["features"]])
+    y = torch.tensor(sum(ccvr_golden["clients"]["labels"], []))
+    assert _close(cov[1], torch.cov(x[y == 1].T))
+    # mutant: the clients' means weighted equally instead of by their counts
+    means = torch.stack([u["means"] for u in _ccvr_uploads(ccvr_golden)])
+    assert not _close(means.mean(0)[2], T(ref["means"][2]))
+
+
+def test_ccvr_calibration(ccvr_golden):
+    r = ccvr_golden["calibrate"]
+    init = {k: T(v) for k, v in r["init"].items()}
+    got = retrain_classifier(init, T(r["features"]), torch.tensor(r["labels"]), epochs=1, batch_size=r["batch_size"],
+                             lr=r["lr"], orders=[torch.tensor(o) for o in r["orders"]])
+    for k in ("weight", "bias"):
+        assert _close(got[k], T(r["head"][k])), k
+    # mutant: a fresh classifier (CReFF's choice) instead of the aggregated one as the start
+    fresh = retrain_classifier({k: torch.zeros_like(v) for k, v in init.items()}, T(r["features"]),
+                               torch.tensor(r["labels"]), epochs=1, batch_size=r["batch_size"], lr=r["lr"],
+                               orders=[torch.tensor(o) for o in r["orders"]])
+    assert not _close(fresh["weight"], T(r["head"]["weight"]))
+
+
+def test_ccvr_virtual_features_follow_the_pooled_gaussian():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, generator=g, dtype=torch.float64)
+    mean, cov = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), a @ a.T
+    x = ccvr.sample_virtual(mean, cov, 20000, torch.Generator().manual_seed(1))
+    assert torch.allclose(x.mean(0), mean, atol=0.05) and torch.allclose(torch.cov(x.T), cov, atol=0.1 * cov.abs().max())
+    # singular covariance (fewer samples than dimensions): the draws stay on its subspace
+    v = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)
+    x = ccvr.sample_virtual(torch.zeros(3, dtype=torch.float64), v.T @ v, 50, torch.Generator().manual_seed(2))
+    assert torch.allclose(torch.linalg.cross(x, v.expand_as(x)), torch.zeros_like(x), atol=1e-9)
