@@ -29,6 +29,7 @@ def registries() -> dict[str, Registry]:
     import fedlt.models
     import fedlt.partitioners
     import fedlt.posthoc
+    import fedlt.server_steps
     from fedlt.algorithms import split_client, split_server
     from fedlt.engine import ENGINES
     from fedlt.models.splitting import SPLITTERS
@@ -38,7 +39,7 @@ def registries() -> dict[str, Registry]:
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
             "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
-            "augmentations": fedlt.augment.REGISTRY}
+            "augmentations": fedlt.augment.REGISTRY, "server_steps": fedlt.server_steps.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:
