@@ -72,7 +72,15 @@ class CCVRStep:
     """CCVR's calibration (FL-bench's defaults): ``samples_per_class`` = 200 virtual features per
     class with N_c ≥ 2, then ``epochs`` = 1 pass of SGD (``lr`` = 0.01, ``batch_size`` = 32) over
     them from the aggregated classifier. It runs every ``every`` rounds and on the last, on the
-    aggregated model's features (``fresh``: a second call to the participants)."""
+    aggregated model's features (``fresh``: a second call to the participants).
+
+    Args:
+        samples_per_class: virtual features drawn per class (classes with at least 2 samples).
+        epochs: passes of SGD over the virtual features.
+        batch_size: minibatch size of the re-calibration.
+        lr: learning rate of the re-calibration (plain SGD).
+        every: calibrate every this many rounds (and always on the last).
+    """
 
     fresh = True
 

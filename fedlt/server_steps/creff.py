@@ -85,7 +85,18 @@ class CReFFStep:
     per round, a classifier re-trained from scratch for ``retrain_epochs`` = 300 epochs (batch
     ``batch_size`` = 32, lr ``lr_net`` = 0.01); each client's gradient of a class is the mean over
     ``repeats`` = 10 draws of ``batch_real`` = 32 of its features of that class, under the
-    classifier re-trained in the previous round (sent as payload)."""
+    classifier re-trained in the previous round (sent as payload).
+
+    Args:
+        features_per_class: federated features per class (M).
+        match_epochs: gradient-matching steps on the federated features per round.
+        retrain_epochs: epochs of re-training the classifier from scratch per round.
+        batch_real: real features per class in each of a client's gradient draws.
+        repeats: a client's draws per class, averaged.
+        lr_feature: learning rate of the federated features (plain SGD).
+        lr_net: learning rate of the classifier re-training (plain SGD).
+        batch_size: minibatch size of the classifier re-training.
+    """
 
     fresh = False
 
