@@ -30,6 +30,7 @@ def registries() -> dict[str, Registry]:
     import fedlt.models.heads
     import fedlt.partitioners
     import fedlt.posthoc
+    import fedlt.server_steps
     from fedlt.algorithms import split_client, split_server
     from fedlt.engine import ENGINES
     from fedlt.models.splitting import SPLITTERS
@@ -39,7 +40,8 @@ def registries() -> dict[str, Registry]:
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
             "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
-            "augmentations": fedlt.augment.REGISTRY, "heads": fedlt.models.heads.REGISTRY}
+            "augmentations": fedlt.augment.REGISTRY, "heads": fedlt.models.heads.REGISTRY,
+            "server_steps": fedlt.server_steps.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:

@@ -88,9 +88,14 @@ def test_every_dataset_passes_its_contract(name, tmp_path, monkeypatch):
         assert (len(data.y_train), len(data.y_test)) == (fake_dataset_files.N_TRAIN, fake_dataset_files.N_TEST)
 
 
+# CReFF's defaults (100 matching steps, 300 re-training epochs a round) scaled down to keep this fast
+ALGORITHM_EXAMPLES = {"creff": {"step": {"name": "creff", "match_epochs": 3, "retrain_epochs": 2,
+                                         "features_per_class": 8, "repeats": 2}}}
+
+
 @pytest.mark.parametrize("name", fedlt.algorithms.list())
 def test_every_algorithm_passes_its_contract(name):
-    check_algorithm(name)
+    check_algorithm(name, ALGORITHM_EXAMPLES.get(name))
 
 
 # -- broken components ------------------------------------------------------------------------------

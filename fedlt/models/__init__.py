@@ -99,4 +99,4 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
             m.train(mode)
 
 
-from fedlt.models import pfllib  # noqa: E402,F401  (registers pfllib_cnn)
+from fedlt.models import pfllib, resnet_cifar  # noqa: E402,F401  (register pfllib_cnn, the CIFAR ResNets)

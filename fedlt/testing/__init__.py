@@ -23,6 +23,7 @@ with the component and the name of the property, e.g.
 | algorithm | :func:`check_algorithm` |
 | algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra) |
 | algorithm, in worker processes | :func:`check_parallel` |
+| server-side step | :func:`check_server_step` |
 """
 
 from fedlt.testing.base import ContractError
@@ -35,6 +36,8 @@ from fedlt.testing.datasets import check_dataset
 from fedlt.testing.algorithms import check_algorithm
 from fedlt.testing.engines import check_engines
 from fedlt.testing.parallel import check_parallel
+from fedlt.testing.server_steps import check_server_step
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter", "check_head",
-           "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel"]
+           "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel",
+           "check_server_step"]

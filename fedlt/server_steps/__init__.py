@@ -1,0 +1,132 @@
+"""Server-side steps: what the server computes after aggregation from statistics the clients
+upload, producing the classifier the global model is evaluated with (issue 33).
+
+A step is an object with seven calls (:class:`ServerStep`); the algorithm that carries one
+(``fedlt.algorithms.recalibrate``) asks every participant for ``collect(...)`` — on the received
+weights during its round (``fresh = False``: CReFF's gradients) or in a second call on the
+aggregated weights (``fresh = True``: CCVR's feature statistics) — and hands the uploads to
+``apply``, which returns the re-calibrated classifier (``{"weight", "bias"}`` of the model's
+final linear layer). The training model keeps its aggregated classifier; the re-calibrated one is
+only evaluated (as CReFF's and FL-bench's CCVR code do). Built-ins: ``ccvr``, ``creff``,
+``fednpc``; a plugin adds one under the entry-point group ``fedlt.server_steps``, and
+``fedlt.testing.check_server_step`` is its contract.
+
+The numerical pieces are module functions, each held to its authors' code by a golden fixture
+(tests/golden/): ``pooled_class_stats`` and ``sample_virtual`` (CCVR), ``match_distance`` and
+``update_features`` (CReFF), ``retrain_classifier`` (all three).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fedlt.models
+from fedlt.errors import FedltError
+from fedlt.registry import Registry
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+Head = dict[str, torch.Tensor]  # a linear classifier's {"weight": C×d, "bias": C}
+STEP_METHODS = ("setup", "due", "payload", "collect", "apply", "state_dict", "load_state_dict")
+
+
+def _step_check(obj: Any) -> str | None:
+    missing = [m for m in STEP_METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        return f"{type(obj).__name__} lacks {', '.join(missing)} (see fedlt.server_steps.ServerStep)"
+    return None if isinstance(getattr(obj, "fresh", None), bool) else f"{type(obj).__name__}.fresh is not a bool"
+
+
+REGISTRY: Registry = Registry("server_step", group="fedlt.server_steps", product=_step_check)
+register, get, create, list = REGISTRY.register, REGISTRY.get, REGISTRY.create, REGISTRY.list
+
+
+class ServerStep(Protocol):
+    """The calls an algorithm makes, in this order: ``setup`` once with the initial model's
+    classifier; per round ``due`` (does the step run this round?), ``payload`` (what every
+    participant receives for ``collect``), ``collect`` on each participant (its uploaded
+    statistics; ``fresh`` says on which weights), ``apply`` on the server (the re-calibrated
+    classifier); ``state_dict`` / ``load_state_dict`` what it keeps between rounds (checkpointed)."""
+
+    fresh: bool  # True: statistics of the aggregated model (a second call); False: of the received one
+
+    def setup(self, head: nn.Linear, generator: torch.Generator | None = None) -> None: ...
+    def due(self, round_index: int, rounds: int) -> bool: ...
+    def payload(self) -> dict[str, Any]: ...
+    def collect(self, model: nn.Module, batches: Batches, payload: dict[str, Any], num_classes: int,
+                generator: torch.Generator | None = None) -> dict[str, Any]: ...
+    def apply(self, head: nn.Linear, uploads: Sequence[dict[str, Any]],
+              generator: torch.Generator | None = None) -> Head: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def head_state(head: nn.Module) -> Head:
+    """A detached copy of a linear classifier's weight and bias (a zero bias when it has none)."""
+    bias = head.bias if head.bias is not None else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype)
+    return {"weight": head.weight.detach().clone(), "bias": bias.detach().clone()}
+
+
+@contextmanager
+def _inputs_of(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+    handle = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def features(model: nn.Module, batches: Batches) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the classifier's inputs, labels) over ``batches``, the model in eval mode (BatchNorm's
+    running statistics, as both authors' codes extract features)."""
+    head = fedlt.models.classifier(model)
+    xs, ys = [], []
+    with fedlt.models.eval_mode(model), _inputs_of(head) as seen:
+        for x, y in batches:
+            model(x)
+            xs.append(seen.pop()), ys.append(y)
+    if not xs:
+        return torch.zeros(0, head.weight.shape[1]), torch.zeros(0, dtype=torch.long)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def retrain_classifier(init: Head, x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch_size: int, lr: float,
+                       generator: torch.Generator | None = None,
+                       orders: Iterable[torch.Tensor] | None = None) -> Head:
+    """Plain SGD (no momentum, no weight decay) on CE(x·Wᵀ + b, y) from ``init``, ``epochs``
+    passes of minibatches of ``batch_size`` over a fresh permutation each (``orders`` gives them
+    explicitly), in ``x``'s dtype. The re-training of CCVR, CReFF and FedNPC."""
+    w = init["weight"].detach().clone().to(x.dtype).requires_grad_(True)
+    b = init["bias"].detach().clone().to(x.dtype).requires_grad_(True)
+    optimiser = torch.optim.SGD([w, b], lr=lr)
+    orders = iter(orders) if orders is not None else None
+    for _ in range(epochs):
+        perm = next(orders) if orders is not None else torch.randperm(len(y), generator=generator)
+        for idx in perm.split(batch_size):
+            loss = F.cross_entropy(F.linear(x[idx], w, b), y[idx])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    return {"weight": w.detach(), "bias": b.detach()}
+
+
+def _positive_int(step: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FedltError(f"{step}: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive(step: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise FedltError(f"{step}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+from fedlt.server_steps import ccvr, creff  # noqa: E402,F401  (register the built-in steps)
