@@ -77,6 +77,12 @@ class ClientData:
     def __len__(self) -> int:
         return len(self.y)
 
+    @property
+    def index_device(self) -> torch.device:
+        """Where minibatch indices are used: the device of in-memory images (sliced there), the
+        host for images decoded from files."""
+        return self.x.device if isinstance(self.x, torch.Tensor) else torch.device("cpu")
+
     def batches(self, index_batches: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x[idx], y[idx])`` for each ``idx`` of ``index_batches``, in order (from files: decoded
         ahead by the loader workers, if any)."""
@@ -105,17 +111,20 @@ class LocalSchedule:
     clip: float | None = 10.0
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
 
-    def batches(self, n: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
+        """The index batches, drawn on the host from ``generator`` (the same on every device);
+        with ``device``, each permutation crosses to it once (pinned, asynchronous on CUDA), so
+        a step slices device-resident data with a device index and copies nothing."""
         if self.epochs is not None:
             for _ in range(self.epochs):
-                perm = torch.randperm(n, generator=generator)
+                perm = to_device(torch.randperm(n, generator=generator), device)
                 yield from perm.split(self.batch)
             return
         batch = min(self.batch, n)
-        perm, pos = torch.randperm(n, generator=generator), 0
+        perm, pos = to_device(torch.randperm(n, generator=generator), device), 0
         for _ in range(self.iters or 0):
             if pos + batch > n:
-                perm, pos = torch.randperm(n, generator=generator), 0
+                perm, pos = to_device(torch.randperm(n, generator=generator), device), 0
             yield perm[pos : pos + batch]
             pos += batch
 
@@ -125,6 +134,13 @@ class LocalSchedule:
     def clip_(self, params) -> None:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``: pinned and copied without blocking the host on CUDA."""
+    if device is None or device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def proportional_batches(sizes: list[int], server_batch: int) -> list[int]:

@@ -64,7 +64,7 @@ class ClientUpdate:
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
-        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator)):
+        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device)):
             x = augment(x)
             extra: dict[str, Any] = {}
             if objective.needs_teacher:

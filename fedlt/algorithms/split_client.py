@@ -174,7 +174,8 @@ class ActivationClient:
         self.teacher = bool(task.payload.get("send_teacher")) or self.objective.needs_teacher
         _, self.weight_terms = split_terms(self.objective)
         self.batches = BatchStream(task.data, task.schedule.batches(
-            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid),
+            task.data.index_device))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.pending: torch.Tensor | None = None
         self.pending_idx: torch.Tensor | None = None
@@ -244,7 +245,8 @@ class LocalLossClient:
         self.replica = Replica(module, task.weights, task.schedule)
         self.objective = client_objective(task, {n: task.weights[n] for n in self.replica.params})
         self.batches = BatchStream(task.data, task.schedule.batches(
-            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid),
+            task.data.index_device))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.losses: list[torch.Tensor] = []
         self.drawn = 0
