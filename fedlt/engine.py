@@ -222,6 +222,7 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
         momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
+        precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
     )
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)

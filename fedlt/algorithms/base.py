@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -110,6 +111,7 @@ class LocalSchedule:
     weight_decay: float = 5e-4
     clip: float | None = 10.0
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
+    precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
 
     def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
         """The index batches, drawn on the host from ``generator`` (the same on every device);
@@ -141,6 +143,38 @@ def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     if device is None or device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def forward_precision(precision: str, device: torch.device) -> AbstractContextManager:
+    """The context of a model's forward: bf16 autocast on ``device`` for ``precision="bf16"``
+    (matmuls and convolutions in bfloat16, the weights and their gradients stay float32), nothing
+    for ``"fp32"`` (the float32 path is untouched, bit for bit)."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def backward_precision(device: torch.device) -> AbstractContextManager:
+    """Autocast off for a backward pass run inside :func:`forward_precision` (autocast is meant
+    for the forward and the loss: the backward follows the forward's dtypes by itself)."""
+    if device.type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu")
+
+
+def channels_last(model: nn.Module, device: torch.device) -> bool:
+    """Whether a model's convolutions should run channels-last: a convolutional model on CUDA
+    (cuDNN's fast layout for bf16/TF32 convolutions); never on the CPU, where it was not measured."""
+    return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``, channels-last where :func:`channels_last` says so."""
+    model = model.to(device)
+    return model.to(memory_format=torch.channels_last) if channels_last(model, device) else model
 
 
 def proportional_batches(sizes: list[int], server_batch: int) -> list[int]:
@@ -180,6 +214,8 @@ class RunContext:
     num_clients: int | None = None  # K, all clients (SCAFFOLD's and FedDyn's 1/K); None: the round's participants
     rounds: int = 1  # the run's total number of rounds
     augment: tuple[dict[str, Any], ...] = ()  # augmentation specs, normalize() statistics filled in (fedlt.augment.fit)
+    precision: str = "fp32"  # "fp32" or "bf16" (docs/gpu.md)
+    cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:
@@ -198,7 +234,8 @@ class RunContext:
         """Client k's schedule: B_k samples per step, or ``batch_size`` when training by epochs."""
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
-                             weight_decay=self.weight_decay, clip=self.clip, augment=self.augment)
+                             weight_decay=self.weight_decay, clip=self.clip, augment=self.augment,
+                             precision=self.precision)
 
 
 class Algorithm(Protocol):

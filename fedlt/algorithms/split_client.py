@@ -28,7 +28,7 @@ from torch.func import functional_call
 import fedlt.augment
 import fedlt.losses
 from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, build_objective, client_generator,
-                                   raise_first_non_finite)
+                                   forward_precision, raise_first_non_finite)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State, Upload
 from fedlt.models import eval_mode
 from fedlt.registry import Registry
@@ -74,7 +74,13 @@ class Replica:
         self.optimiser = schedule.optimiser(list(self.params.values()))
 
     def __call__(self, x: torch.Tensor):
-        return functional_call(self.module, {**self.params, **self.buffers}, (x,))
+        """The replica's forward; under ``precision="bf16"`` autocast inside, its outputs (what
+        crosses to the other side, and the logits a loss reads) float32."""
+        with forward_precision(self.schedule.precision, x.device):
+            out = functional_call(self.module, {**self.params, **self.buffers}, (x,))
+        if self.schedule.precision == "fp32":
+            return out
+        return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params.values())

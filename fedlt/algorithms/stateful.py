@@ -244,7 +244,7 @@ class MoonUpdate(ClientUpdate):
             with torch.no_grad(), eval_mode(model):  # the two reference models as evaluated
                 functional_call(model, received, (x,))
                 functional_call(model, previous, (x,))
-        z, z_global, z_previous = seen
+        z, z_global, z_previous = (t.float() for t in seen)  # bf16 under autocast: the term in float32
         contrastive = contrastive_loss(z, z_global, z_previous, self.temperature)
         return parts | {f"MOON's contrastive term (mu={self.mu:g}, temperature={self.temperature:g})": self.mu * contrastive}
 
@@ -288,7 +288,7 @@ class DecorrUpdate(ClientUpdate):
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         with features_of(model) as seen:
             parts = super().parts(local, model, objective, x, y, extra)
-        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(seen[0])}
+        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(seen[0].float())}
 
 
 class FedDecorr(FedAvgFamily):
