@@ -154,6 +154,12 @@ def forward_precision(precision: str, device: torch.device) -> AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """A half-precision tensor (bf16 logits out of autocast) as float32; any other as it is (a
+    float64 model keeps its float64 logits)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def backward_precision(device: torch.device) -> AbstractContextManager:
     """Autocast off for a backward pass run inside :func:`forward_precision` (autocast is meant
     for the forward and the loss: the backward follows the forward's dtypes by itself)."""

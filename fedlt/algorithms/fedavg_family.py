@@ -21,7 +21,7 @@ import fedlt.augment
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
                                    backward_precision, build_aggregator, build_objective, channels_last, client_generator,
-                                   forward_precision, place_model, proportional_batches)
+                                   forward_precision, place_model, proportional_batches, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
 from fedlt.models import eval_mode
@@ -72,7 +72,7 @@ class ClientUpdate:
             optimiser.zero_grad(set_to_none=True)
             with forward_precision(task.schedule.precision, x.device):  # the forward and the loss; backward outside
                 if objective.needs_teacher:
-                    extra["teacher_logits"] = teacher_logits(model, task.weights, x).float()
+                    extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
                 if objective.needs_params:
                     extra["params"] = params
                 step_parts = self.backward(local, model, params, objective, x, y, extra)
@@ -95,7 +95,7 @@ class ClientUpdate:
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The step's loss as named parts (their sum is minimised): the objective, and what a
         variant adds under a name of its own."""
-        return {OBJECTIVE: objective(model(x).float(), y, **extra)}  # bf16 logits: the loss in float32
+        return {OBJECTIVE: objective(upcast(model(x)), y, **extra)}  # bf16 logits: the loss in float32
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
                  y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:

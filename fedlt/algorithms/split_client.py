@@ -28,7 +28,7 @@ from torch.func import functional_call
 import fedlt.augment
 import fedlt.losses
 from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, build_objective, client_generator,
-                                   forward_precision, raise_first_non_finite)
+                                   forward_precision, raise_first_non_finite, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State, Upload
 from fedlt.models import eval_mode
 from fedlt.registry import Registry
@@ -80,7 +80,7 @@ class Replica:
             out = functional_call(self.module, {**self.params, **self.buffers}, (x,))
         if self.schedule.precision == "fp32":
             return out
-        return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+        return tuple(upcast(o) for o in out) if isinstance(out, tuple) else upcast(out)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params.values())
