@@ -72,3 +72,10 @@ def test_index_batches_cross_to_the_device_once_per_permutation():
     assert all(isinstance(b, OnDevice) for b in placed)
     assert [b.elem.tolist() for b in placed] == [b.tolist() for b in host]  # the same draws on every device
     assert not audit.syncs
+
+
+def test_augmentation_runs_on_the_device_without_per_step_copies():
+    # random_crop and hflip draw on the host (the same draws on every device) and cross pinned and
+    # non-blocking; normalize's statistics are made on the device once
+    check_device("fedavg", augment=[{"name": "random_crop", "padding": 2}, {"name": "hflip"},
+                                    {"name": "normalize", "mean": [0.1], "std": [0.3]}])

@@ -14,7 +14,7 @@ from torch import nn
 import fedlt.aggregators
 import fedlt.losses
 from fedlt.context import ModelSpec, RoundContext
-from fedlt.datasets.source import Images, images
+from fedlt.datasets.source import Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 
@@ -136,13 +136,6 @@ class LocalSchedule:
     def clip_(self, params) -> None:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
-
-
-def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """``t`` (a host tensor) on ``device``: pinned and copied without blocking the host on CUDA."""
-    if device is None or device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def forward_precision(precision: str, device: torch.device) -> AbstractContextManager:

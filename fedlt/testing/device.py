@@ -15,6 +15,9 @@ aggregation) after PyTorch's own decompositions, and
   dimension in one call (a 0-dimensional host tensor is a scalar, which CUDA accepts too). CUDA
   refuses most of these outright; the rest (indexing a device tensor with a host index) copy
   host→device on every call — both are what a stray CPU tensor looks like;
+- records a **host-to-device copy** of a host tensor that does not go through
+  ``fedlt.datasets.source.to_device`` (pinned, non-blocking on CUDA): a pageable copy, such as
+  ``torch.tensor(list, device=...)``, waits for the device;
 - records a **host synchronisation**: ``aten._local_scalar_dense`` (``.item()``, ``float(t)``,
   ``bool(t)``, ``int(t)``: the host reads a device value, so it waits for the device) and a copy
   of an on-device tensor to the host (``.cpu()``, ``.numpy()`` via it, ``.tolist()``).
@@ -99,6 +102,13 @@ def _where() -> str:
     return "outside fedlt"
 
 
+def _pinned_upload() -> bool:
+    """Whether the copy is ``fedlt.datasets.source.to_device``'s (pinned and non-blocking on CUDA:
+    the host does not wait)."""
+    return any(f.name == "to_device" and f.filename.replace("\\", "/").endswith("fedlt/datasets/source.py")
+               for f in traceback.extract_stack())
+
+
 def _unwrap(value: Any) -> Any:
     return value.elem if isinstance(value, OnDevice) else value
 
@@ -111,6 +121,7 @@ class DeviceAudit(TorchDispatchMode):
         super().__init__()
         self.syncs: Counter[str] = Counter()
         self.mixed: Counter[str] = Counter()
+        self.uploads: Counter[str] = Counter()  # host→device copies (a pageable one waits for the device)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -123,6 +134,8 @@ class DeviceAudit(TorchDispatchMode):
         if device is not None:
             kwargs["device"] = torch.device("cpu")
         to_host = device is not None and not asked and any(on)
+        if asked and any(not o and t.numel() > 0 for o, t in zip(on, tensors)) and not _pinned_upload():
+            self.uploads[f"{func} at {_where()}"] += 1
         if func is _SYNC and any(on) or to_host:
             self.syncs[f"{func} at {_where()}"] += 1
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
@@ -187,12 +200,17 @@ def check_device(algorithm: Any, params: dict[str, Any] | None = None, *, model:
         for audit in audits:
             c.check(not audit.mixed, "on the device", f"host tensors met device tensors: {_describe(audit.mixed)}")
         few, many = (client_syncs(a) for a in audits)
-        c.check(many == few, "no per-step sync",
+        c.check(not many - few, "no per-step sync",
                 f"{sum(few.values())} host synchronisations in client work with 2 local steps, "
-                f"{sum(many.values())} with 4: {_describe(many - few) or _describe(many)}")
+                f"{sum(many.values())} with 4: {_describe(many - few)}")
+        few, many = (client_syncs(a, a.uploads) for a in audits)
+        c.check(not many - few, "no per-step upload",
+                f"{sum(few.values())} host-to-device copies in client work with 2 local steps, "
+                f"{sum(many.values())} with 4: {_describe(many - few)}")
 
 
-def client_syncs(audit: DeviceAudit) -> Counter[str]:
-    """The synchronisations made inside client work (a server's own loop is reported, not held
-    to this: SCALA's ``server_prior="batch"`` builds its loss from each batch's counts on the host)."""
-    return Counter({k: n for k, n in audit.syncs.items() if " at client: " in k})
+def client_syncs(audit: DeviceAudit, events: Counter[str] | None = None) -> Counter[str]:
+    """The synchronisations (or other ``events``) inside client work (a server's own loop is
+    reported, not held to this: SCALA's ``server_prior="batch"`` builds its loss from each
+    batch's counts on the host)."""
+    return Counter({k: n for k, n in (audit.syncs if events is None else events).items() if " at client: " in k})
