@@ -73,3 +73,15 @@ def test_the_contract_can_fail(monkeypatch):
     monkeypatch.setattr(cohort.Cohort, "_sgd", skewed)
     with pytest.raises(ContractError, match=r"\[same as sequential\]"):
         check_cohort(_Unequal)
+
+
+def test_a_run_with_cohort_equals_the_sequential_run(tmp_path):
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    settings = dict(TINY, model="mlp", algorithm="fedprox", rounds=2, local_epochs=1, batch_size=8)
+    one = run(RunConfig(**settings, out=tmp_path / "one"))
+    many = run(RunConfig(**settings, cohort=3, out=tmp_path / "many"))
+    assert many["final"]["loss"] == pytest.approx(one["final"]["loss"], abs=1e-5)
+    assert many["final"]["accuracy"] == one["final"]["accuracy"]

@@ -79,3 +79,8 @@ def test_augmentation_runs_on_the_device_without_per_step_copies():
     # non-blocking; normalize's statistics are made on the device once
     check_device("fedavg", augment=[{"name": "random_crop", "padding": 2}, {"name": "hflip"},
                                     {"name": "normalize", "mean": [0.1], "std": [0.3]}])
+
+
+@pytest.mark.parametrize("name,settings", [("fedavg", {}), ("scaffold", {"local_epochs": 1, "batch_size": 8})])
+def test_cohort_training_is_device_clean(name, settings):
+    check_device(name, cohort=2, **settings)

@@ -42,6 +42,7 @@ from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, 
                                             trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated)
+from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
 def client_variant(algorithm: Any) -> ClientUpdate | None:
@@ -167,7 +168,7 @@ class Cohort:
 
     def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ks = [k for k, _, _ in group]
-        index = torch.as_tensor(ks, device=self.weights[0].device)
+        index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
         fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
         x = torch.stack([x for _, x, _ in group])

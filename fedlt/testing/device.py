@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import fedlt.algorithms
 from fedlt.algorithms.base import ClientData
+from fedlt.algorithms.cohort import with_cohort
 from fedlt.algorithms.protocol import ClientStates, LocalRunner
 from fedlt.config import RunConfig
 from fedlt.datasets.source import images
@@ -69,6 +70,9 @@ class OnDevice(torch.Tensor):
     mode computes with it."""
 
     elem: torch.Tensor
+    # no conversion of results at the Python level: what an operation returns is decided by the
+    # audit's dispatch (a host copy stays a plain host tensor)
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor) -> "OnDevice":
@@ -175,7 +179,7 @@ def _audit(prep: Any, config: RunConfig, rounds: int, local_iters: int) -> Devic
             for cid in range(config.clients)[r::2]:  # two different cohorts, the second seeing states
                 idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=PRETEND)
                 clients.append(ClientData(cid, images(x_train).subset(idx), y_train[idx], prep.counts[cid].to(PRETEND)))
-            train_round(algorithm, ctx, r, clients, states, LocalRunner())
+            train_round(algorithm, ctx, r, clients, states, with_cohort(LocalRunner(), config.cohort))
     return audit
 
 
