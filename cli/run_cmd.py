@@ -166,6 +166,10 @@ def run(
     checkpoint_every: Optional[int] = typer.Option(None),
     device: Optional[str] = typer.Option(None),
     fused: Optional[str] = typer.Option(None, "--fused", help="fused loss path: auto, on, off (docs/fused.md)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 (default) or bf16: autocast forward, "
+                                            "float32 weights and aggregation (docs/gpu.md)"),
+    cohort: Optional[int] = typer.Option(None, "--cohort", help="FedAvg family: train N clients' steps together "
+                                         "in one vmapped step (default 1: one after another; docs/gpu.md)"),
     workers: Optional[str] = typer.Option(None, help="worker processes training the clients: N or auto (the cores); "
                                           "results are identical to 1 (docs/parallel.md)"),
     loader_workers: Optional[int] = typer.Option(None, help="DataLoader processes decoding images read from files "
@@ -206,6 +210,7 @@ def run(
     scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused, client_eval=client_eval,
+                   precision=precision, cohort=cohort,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:

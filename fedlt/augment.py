@@ -15,13 +15,14 @@ built for the augmented input and the test set is transformed to match once, bef
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from fedlt.datasets.source import CHUNK, Images, images
+from fedlt.datasets.source import CHUNK, Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 
@@ -99,6 +100,13 @@ class Transform(BaseModel):
         return False
 
 
+@functools.lru_cache(maxsize=64)
+def _channels(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-channel statistics as a (1, C, 1, 1) tensor on ``device``, made once (a tensor built from
+    a Python list on a GPU is a blocking host-to-device copy: not once per step)."""
+    return torch.tensor(values, dtype=dtype).view(1, -1, 1, 1).to(device)
+
+
 def _square(size: int | tuple[int, int]) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
@@ -144,8 +152,8 @@ class RandomCrop(Transform):
         size = self._size(x)
         if self.padding:
             x = torch.nn.functional.pad(x, [self.padding] * 4, value=self.fill)
-        top = torch.randint(0, x.shape[2] - size[0] + 1, (x.shape[0],)).to(x.device)
-        left = torch.randint(0, x.shape[3] - size[1] + 1, (x.shape[0],)).to(x.device)
+        top = to_device(torch.randint(0, x.shape[2] - size[0] + 1, (x.shape[0],)), x.device)
+        left = to_device(torch.randint(0, x.shape[3] - size[1] + 1, (x.shape[0],)), x.device)
         return crop_at(x, top, left, size)
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +177,7 @@ class _Flip(Transform):
     dim: ClassVar[int] = -1  # the axis flipped
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flip = (torch.rand(x.shape[0]) < self.p).to(x.device)
+        flip = to_device(torch.rand(x.shape[0]) < self.p, x.device)
         return torch.where(flip[:, None, None, None], x.flip(self.dim), x)
 
 
@@ -246,8 +254,8 @@ class Normalize(Transform):
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         if self.mean is None:
             raise FedltError("augment: normalize() has no statistics yet (fedlt.augment.fit computes them)")
-        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+        mean = _channels(tuple(self.mean), x.dtype, x.device)
+        std = _channels(tuple(self.std), x.dtype, x.device)
         return (x - mean) / std
 
     def output_shape(self, shape: Shape) -> Shape:

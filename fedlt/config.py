@@ -173,6 +173,11 @@ class RunConfig(Strict):
     device: str = "cpu"
     fused: Literal["auto", "on", "off"] = Field("auto", description="fused loss path: auto (Triton on CUDA, the CPU "
                                                "path where measured faster), on, off (reference); docs/fused.md")
+    # -- GPU execution (issue 34, docs/gpu.md) --
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16: autocast for the forward, the "
+                                               "loss in float32, float32 master weights and aggregation (docs/gpu.md)")
+    cohort: PositiveInt = Field(1, le=1024, description="FedAvg family: train N participants' local steps together "
+                                "as one vmapped step over stacked weights (1: one after another; docs/gpu.md)")
     availability: dict[str, Any] = Field(default_factory=lambda: {"name": "always"},
                                          description="client availability spec: always, bernoulli(p=...), "
                                                      "markov(p_on=..., p_off=...), straggler(...), scripted(...)")

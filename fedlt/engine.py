@@ -48,6 +48,7 @@ import fedlt.posthoc
 from fedlt import io, rundir
 from fedlt.algorithms.base import ClientData, NonFiniteLoss, RunContext, from_spec
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner, copy_tensors
+from fedlt.algorithms.cohort import with_cohort
 from fedlt.algorithms.split import classifier_of
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
@@ -222,6 +223,7 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
         momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
+        precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
     )
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)
@@ -368,7 +370,8 @@ def local_engine(config: RunConfig, *, resume: bool = False,
     workers = resolve_workers(config.workers)
     tolerate = config.faults.on_failure == "drop"
     if workers == 1:
-        return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=LocalRunner(tolerate))
+        return run(config, resume=resume, on_round=on_round, on_start=on_start,
+                   runner=with_cohort(LocalRunner(tolerate), config.cohort))  # --cohort: docs/gpu.md
     with ParallelRunner(workers, tolerate) as runner:
         return run(config, resume=resume, on_round=on_round, on_start=on_start, runner=runner)
 

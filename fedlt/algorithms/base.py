@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -13,7 +14,7 @@ from torch import nn
 import fedlt.aggregators
 import fedlt.losses
 from fedlt.context import ModelSpec, RoundContext
-from fedlt.datasets.source import Images, images
+from fedlt.datasets.source import Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 
@@ -77,6 +78,12 @@ class ClientData:
     def __len__(self) -> int:
         return len(self.y)
 
+    @property
+    def index_device(self) -> torch.device:
+        """Where minibatch indices are used: the device of in-memory images (sliced there), the
+        host for images decoded from files."""
+        return self.x.device if isinstance(self.x, torch.Tensor) else torch.device("cpu")
+
     def batches(self, index_batches: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x[idx], y[idx])`` for each ``idx`` of ``index_batches``, in order (from files: decoded
         ahead by the loader workers, if any)."""
@@ -104,18 +111,22 @@ class LocalSchedule:
     weight_decay: float = 5e-4
     clip: float | None = 10.0
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
+    precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
 
-    def batches(self, n: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
+        """The index batches, drawn on the host from ``generator`` (the same on every device);
+        with ``device``, each permutation crosses to it once (pinned, asynchronous on CUDA), so
+        a step slices device-resident data with a device index and copies nothing."""
         if self.epochs is not None:
             for _ in range(self.epochs):
-                perm = torch.randperm(n, generator=generator)
+                perm = to_device(torch.randperm(n, generator=generator), device)
                 yield from perm.split(self.batch)
             return
         batch = min(self.batch, n)
-        perm, pos = torch.randperm(n, generator=generator), 0
+        perm, pos = to_device(torch.randperm(n, generator=generator), device), 0
         for _ in range(self.iters or 0):
             if pos + batch > n:
-                perm, pos = torch.randperm(n, generator=generator), 0
+                perm, pos = to_device(torch.randperm(n, generator=generator), device), 0
             yield perm[pos : pos + batch]
             pos += batch
 
@@ -125,6 +136,44 @@ class LocalSchedule:
     def clip_(self, params) -> None:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+
+def forward_precision(precision: str, device: torch.device) -> AbstractContextManager:
+    """The context of a model's forward: bf16 autocast on ``device`` for ``precision="bf16"``
+    (matmuls and convolutions in bfloat16, the weights and their gradients stay float32), nothing
+    for ``"fp32"`` (the float32 path is untouched, bit for bit)."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """A half-precision tensor (bf16 logits out of autocast) as float32; any other as it is (a
+    float64 model keeps its float64 logits)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def backward_precision(device: torch.device) -> AbstractContextManager:
+    """Autocast off for a backward pass run inside :func:`forward_precision` (autocast is meant
+    for the forward and the loss: the backward follows the forward's dtypes by itself)."""
+    if device.type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu")
+
+
+def channels_last(model: nn.Module, device: torch.device) -> bool:
+    """Whether a model's convolutions should run channels-last: a convolutional model on CUDA
+    (cuDNN's fast layout for bf16/TF32 convolutions); never on the CPU, where it was not measured."""
+    return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``, channels-last where :func:`channels_last` says so."""
+    model = model.to(device)
+    return model.to(memory_format=torch.channels_last) if channels_last(model, device) else model
 
 
 def proportional_batches(sizes: list[int], server_batch: int) -> list[int]:
@@ -164,6 +213,8 @@ class RunContext:
     num_clients: int | None = None  # K, all clients (SCAFFOLD's and FedDyn's 1/K); None: the round's participants
     rounds: int = 1  # the run's total number of rounds
     augment: tuple[dict[str, Any], ...] = ()  # augmentation specs, normalize() statistics filled in (fedlt.augment.fit)
+    precision: str = "fp32"  # "fp32" or "bf16" (docs/gpu.md)
+    cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:
@@ -182,7 +233,8 @@ class RunContext:
         """Client k's schedule: B_k samples per step, or ``batch_size`` when training by epochs."""
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
-                             weight_decay=self.weight_decay, clip=self.clip, augment=self.augment)
+                             weight_decay=self.weight_decay, clip=self.clip, augment=self.augment,
+                             precision=self.precision)
 
 
 class Algorithm(Protocol):

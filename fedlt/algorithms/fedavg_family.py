@@ -20,7 +20,8 @@ from torch.func import functional_call
 import fedlt.augment
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
-                                   build_aggregator, build_objective, client_generator, proportional_batches)
+                                   backward_precision, build_aggregator, build_objective, channels_last, client_generator,
+                                   forward_precision, place_model, proportional_batches, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
 from fedlt.models import eval_mode
@@ -53,8 +54,9 @@ class ClientUpdate:
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         if model is None:
-            model = task.context.model.build().to(task.data.x.device)
+            model = place_model(task.context.model.build(), task.data.x.device)
         model.load_state_dict(task.weights)
+        layout = torch.channels_last if channels_last(model, task.data.x.device) else torch.contiguous_format
         model.train()
         names = trainable_names(model)
         objective = build_objective(task.objective, task.context, task.cid, task.data.class_counts,
@@ -66,15 +68,17 @@ class ClientUpdate:
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
-        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator)):
-            x = augment(x)
+        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device)):
+            x = augment(x).contiguous(memory_format=layout) if x.dim() == 4 else augment(x)
             extra: dict[str, Any] = {}
-            if objective.needs_teacher:
-                extra["teacher_logits"] = teacher_logits(model, task.weights, x)
-            if objective.needs_params:
-                extra["params"] = params
             optimiser.zero_grad(set_to_none=True)
-            for name, value in self.backward(local, model, params, objective, x, y, extra).items():
+            with forward_precision(task.schedule.precision, x.device):  # the forward and the loss; backward outside
+                if objective.needs_teacher:
+                    extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
+                if objective.needs_params:
+                    extra["params"] = params
+                step_parts = self.backward(local, model, params, objective, x, y, extra)
+            for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
             self.correct(local, params)
             task.schedule.clip_(params)
@@ -93,12 +97,13 @@ class ClientUpdate:
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The step's loss as named parts (their sum is minimised): the objective, and what a
         variant adds under a name of its own."""
-        return {OBJECTIVE: objective(model(x), y, **extra)}
+        return {OBJECTIVE: objective(upcast(model(x)), y, **extra)}  # bf16 logits: the loss in float32
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
                  y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         parts = self.parts(local, model, objective, x, y, extra)
-        sum(parts.values()).backward()
+        with backward_precision(x.device):  # autocast covers the forward only
+            sum(parts.values()).backward()
         return parts
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
@@ -220,8 +225,8 @@ class Federated(BaseModel):
 
     def setup(self, ctx: RunContext) -> None:
         self._ctx = ctx
-        self._strategy = self.make_strategy(ctx.build_model().to(ctx.device), ctx)
-        self._work = ctx.build_model().to(ctx.device)
+        self._strategy = self.make_strategy(place_model(ctx.build_model(), ctx.device), ctx)
+        self._work = place_model(ctx.build_model(), ctx.device)
 
     @property
     def strategy(self) -> Strategy:

@@ -28,7 +28,7 @@ from torch.func import functional_call
 import fedlt.augment
 import fedlt.losses
 from fedlt.algorithms.base import (ClientData, LocalSchedule, RunContext, build_objective, client_generator,
-                                   raise_first_non_finite)
+                                   forward_precision, raise_first_non_finite, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State, Upload
 from fedlt.models import eval_mode
 from fedlt.registry import Registry
@@ -74,7 +74,13 @@ class Replica:
         self.optimiser = schedule.optimiser(list(self.params.values()))
 
     def __call__(self, x: torch.Tensor):
-        return functional_call(self.module, {**self.params, **self.buffers}, (x,))
+        """The replica's forward; under ``precision="bf16"`` autocast inside, its outputs (what
+        crosses to the other side, and the logits a loss reads) float32."""
+        with forward_precision(self.schedule.precision, x.device):
+            out = functional_call(self.module, {**self.params, **self.buffers}, (x,))
+        if self.schedule.precision == "fp32":
+            return out
+        return tuple(upcast(o) for o in out) if isinstance(out, tuple) else upcast(out)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params.values())
@@ -174,7 +180,8 @@ class ActivationClient:
         self.teacher = bool(task.payload.get("send_teacher")) or self.objective.needs_teacher
         _, self.weight_terms = split_terms(self.objective)
         self.batches = BatchStream(task.data, task.schedule.batches(
-            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid),
+            task.data.index_device))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.pending: torch.Tensor | None = None
         self.pending_idx: torch.Tensor | None = None
@@ -244,7 +251,8 @@ class LocalLossClient:
         self.replica = Replica(module, task.weights, task.schedule)
         self.objective = client_objective(task, {n: task.weights[n] for n in self.replica.params})
         self.batches = BatchStream(task.data, task.schedule.batches(
-            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid)))
+            len(task.data), client_generator(task.context.sampling_seed, task.round_index, task.cid),
+            task.data.index_device))
         self.augment = fedlt.augment.build(task.schedule.augment)  # once per round
         self.losses: list[torch.Tensor] = []
         self.drawn = 0

@@ -33,7 +33,7 @@ from torch.func import functional_call
 import fedlt.aggregators
 import fedlt.losses
 import fedlt.losses.fused
-from fedlt.algorithms.base import RunContext, build_objective, raise_first_non_finite
+from fedlt.algorithms.base import RunContext, build_objective, forward_precision, raise_first_non_finite, upcast
 from fedlt.algorithms.protocol import ClientTask, Upload
 from fedlt.algorithms.split_client import Replica, client_objective, side_state, split_terms
 from fedlt.context import RoundContext
@@ -59,7 +59,10 @@ class PersistentServer:
         self.module, self.optimiser, self.schedule = module, optimiser, ctx.schedule(ctx.server_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+        """The forward (under bf16 autocast for ``precision="bf16"``: logits back in float32)."""
+        with forward_precision(self.schedule.precision, x.device):
+            out = self.module(x)
+        return upcast(out)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.module.parameters())

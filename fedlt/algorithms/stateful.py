@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedlt.algorithms import preset, register
-from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator
+from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, upcast
 from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy, trainable_names
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State
 from fedlt.context import RoundContext
@@ -244,7 +244,7 @@ class MoonUpdate(ClientUpdate):
             with torch.no_grad(), eval_mode(model):  # the two reference models as evaluated
                 functional_call(model, received, (x,))
                 functional_call(model, previous, (x,))
-        z, z_global, z_previous = seen
+        z, z_global, z_previous = (upcast(t) for t in seen)  # bf16 under autocast: the term in float32
         contrastive = contrastive_loss(z, z_global, z_previous, self.temperature)
         return parts | {f"MOON's contrastive term (mu={self.mu:g}, temperature={self.temperature:g})": self.mu * contrastive}
 
@@ -288,7 +288,7 @@ class DecorrUpdate(ClientUpdate):
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         with features_of(model) as seen:
             parts = super().parts(local, model, objective, x, y, extra)
-        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(seen[0])}
+        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(upcast(seen[0]))}
 
 
 class FedDecorr(FedAvgFamily):

@@ -112,6 +112,14 @@ class TensorImages:
         return self.x  # already in memory: nothing to decode
 
 
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``t`` (a small host tensor: an index permutation, a batch's random draws) on ``device``:
+    pinned and copied without blocking the host on CUDA (a pageable copy waits for the device)."""
+    if device is None or device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def images(x: Images) -> ImageSource:
     """The ImageSource view of a split's images (a source is its own view)."""
     return TensorImages(x) if isinstance(x, torch.Tensor) else x

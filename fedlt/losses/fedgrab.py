@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 from fedlt.errors import FedltError
 from fedlt.losses import register
 from fedlt.losses.fused import dispatch
+from fedlt.datasets.source import to_device
 from fedlt.losses.base import DeviceCache, LossTerm, as_vector, check_batch, check_choice, check_number, fail
 
 _PER_CLASS_KEYS = ("pos", "neg", "u", "e1", "e2")
@@ -227,7 +228,8 @@ class SGB(LossTerm):
         w_neg = phi(-s["u"], self.gamma, self.delta, self.zeta)
         keep = None  # no prior: every class is collected
         if self._prior is not None:
-            r = torch.rand(C, generator=self.generator, dtype=torch.float64).to(logits.device)
+            # drawn on the host (the same gating on every device), crossing pinned and non-blocking
+            r = to_device(torch.rand(C, generator=self.generator, dtype=torch.float64), logits.device)
             gated = r <= self._prior.get(logits.device, self._prior.vec.dtype)
             w_pos = w_pos.masked_fill(gated, 1.0)
             w_neg = w_neg.masked_fill(gated, 1.0)

@@ -24,6 +24,8 @@ with the component and the name of the property, e.g.
 | algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra) |
 | algorithm, in worker processes | :func:`check_parallel` |
 | server-side step | :func:`check_server_step` |
+| algorithm, on a (pretend) device | :func:`check_device` |
+| algorithm, trained in vmapped cohorts | :func:`check_cohort` |
 """
 
 from fedlt.testing.base import ContractError
@@ -37,7 +39,9 @@ from fedlt.testing.algorithms import check_algorithm
 from fedlt.testing.engines import check_engines
 from fedlt.testing.parallel import check_parallel
 from fedlt.testing.server_steps import check_server_step
+from fedlt.testing.device import check_device
+from fedlt.testing.cohort import check_cohort
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter", "check_head",
            "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel",
-           "check_server_step"]
+           "check_server_step", "check_device", "check_cohort"]

@@ -1,0 +1,256 @@
+"""fedlt on a GPU, in one command (issue 34, docs/gpu.md): what a lent GPU has to prove, in < 8 min
+on one H100, written to ``benchmarks/results/device_check.json`` after every section.
+
+    python benchmarks/device_check.py [--device cuda] [--dry-run]
+
+Sections (each timed, each with its peak GPU memory; one that raises is recorded and the next runs):
+
+1. ``doctor``: versions, the device, each fused kernel's check (``fedlt doctor``'s rows);
+2. ``kernels``: every Triton kernel against the float64 reference, value and gradient, float32
+   and bfloat16, at several shapes (``fedlt.losses.fused.check``'s probes);
+3. ``fused_vs_eager``: forward+backward ms of the fused objective kernels against the eager
+   reference at B×C = 4096×1000 and 65536×1000, beside the traffic model's floor (docs/fused.md);
+4. ``algorithms``: one round of every registered algorithm on the device and on the CPU (tiny
+   MNIST): test loss and accuracy side by side;
+5. ``pfllib_mnist``: seconds per round of PFLlib's MNIST task (FedAvgCNN, 100 clients, 10 %,
+   one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, the CPU;
+6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
+7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16.
+
+``--dry-run`` runs the same code on the CPU at tiny sizes (a test runs it in the suite) and
+writes ``device_check_dry_run.json``. Nothing is downloaded: MNIST ships inside the package and
+the script imports fedlt from this checkout when it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # a bare machine: this checkout, not an installed fedlt
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+# H100 SXM HBM3 and the bytes per logit of docs/fused.md's traffic model (benchmarks/fused_loss.py)
+HBM_BYTES_PER_S = 3.35e12
+FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
+
+FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (65536, 1000)],
+            reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
+            scala_rounds=3, bf16_rounds=5)
+DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
+           pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
+           bf16_rounds=1)
+TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
+                server_batch=12, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
+
+
+def _memory(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+
+
+def doctor(device, sizes) -> dict:
+    import torch
+
+    from fedlt.cli.doctor_cmd import versions
+    from fedlt.losses.fused.check import report
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    dtypes = (torch.float32,) if sizes is DRY else (torch.float32, torch.bfloat16)  # the interpreter is slow
+    rows = report(device, dtypes, size=sizes["fused_sizes"][0], reps=sizes["reps"])
+    return {"versions": versions(), "device": f"{device} ({name})", "kernels": rows,
+            "all_passed": all(r["passed"] for r in rows)}
+
+
+def kernels(device, sizes) -> dict:
+    import torch
+
+    from fedlt.losses.fused import check
+    from fedlt.losses.fused.dispatch import triton_backend
+
+    impl = triton_backend()
+    if impl is None:
+        return {"skipped": "triton does not import"}
+    rows = []
+    for kernel in check.KERNELS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for size in sizes["kernel_shapes"]:
+                rows.append(_kernel_row(check, impl, kernel, device, dtype, size))
+    return {"rows": rows, "all_passed": all(r["passed"] for r in rows)}
+
+
+def _kernel_row(check, impl, kernel, device, dtype, size) -> dict:
+    """One kernel's value and gradient against the float64 reference at one shape."""
+    tol = check.TOLERANCE[dtype]
+    try:
+        if kernel == "sgb":
+            runs = [(label, list(f()), list(r())) for label, f, r in check._sgb_runs(impl, device, dtype, size)]
+        else:
+            probes = check._objective_probes if kernel == "objective" else check._pair_probes
+            runs = [(label, list(check._grad(f, z)), list(check._grad(r, z.double())))
+                    for label, f, r, z in probes(impl, device, dtype, size)]
+        worst = max(check._worst(f, r) for _, f, r in runs)
+        return {"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "B": size[0], "C": size[1],
+                "relative_error": worst, "tolerance": tol, "passed": worst <= tol}
+    except Exception as exc:  # noqa: BLE001  (a kernel that does not run here is a failed row)
+        return {"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "B": size[0], "C": size[1],
+                "passed": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
+def fused_vs_eager(device, sizes) -> dict:
+    import torch
+
+    from fedlt.losses.fused import check
+
+    rows = []
+    for B, C in sizes["fused_sizes"]:
+        for dtype in (torch.float32, torch.bfloat16):
+            fused_ms, eager_ms = check.speed("objective", device, dtype, (B, C), sizes["reps"])
+            floor_ms = sum(FUSED_BYTES_PER_LOGIT.values()) * B * C / HBM_BYTES_PER_S * 1e3
+            rows.append({"B": B, "C": C, "dtype": str(dtype).removeprefix("torch."), "fused_ms": fused_ms,
+                         "eager_ms": eager_ms, "speedup": eager_ms / fused_ms,
+                         "traffic_floor_ms (H100, logit_adjust+fedvls)": floor_ms})
+    return {"rows": rows, "note": "the 'objective' probes: logit_adjust, fedvls and logit_suppression(paper)"}
+
+
+def _run(out: Path, **settings) -> tuple[dict, list[dict]]:
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    summary = run(RunConfig(**settings, out=out))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def algorithms(device, sizes, tmp: Path) -> dict:
+    import fedlt.algorithms
+    from fedlt.config import RunConfig
+    from fedlt.testing.algorithms import split_model_for
+
+    rows = []
+    for name in sizes["algorithms"] or fedlt.algorithms.REGISTRY.list():
+        base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1)
+        base["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
+        row: dict = {"algorithm": name, "model": base["model"]}
+        for label, where in (("device", str(device)), ("cpu", "cpu")):
+            began = time.perf_counter()
+            final = _run(tmp / f"{name}-{label}", **base, device=where)[0]["final"]
+            row[label] = {"loss": final["loss"], "accuracy": final["accuracy"],
+                          "seconds": round(time.perf_counter() - began, 2)}
+        row["loss_gap"] = abs(row["device"]["loss"] - row["cpu"]["loss"])
+        rows.append(row)
+    return {"rows": rows, "largest_loss_gap": max(r["loss_gap"] for r in rows)}
+
+
+def _pfllib(sizes) -> dict:
+    p = sizes["pfllib"]
+    return dict(dataset="mnist", model="pfllib_cnn", algorithm="fedavg", clients=p["clients"], participation=0.1
+                if p["clients"] >= 100 else 0.3, local_epochs=1, batch_size=10, train_limit=p["train_limit"], test_limit=p["test_limit"],
+                partition={"name": "dirichlet", "beta": 0.1, "min_size": 2}, optimiser={"lr": 0.005})
+
+
+def _seconds_per_round(rows: list[dict]) -> float:
+    timed = rows[1:] or rows  # the first round pays for warm-up (cuDNN autotuning, allocator)
+    return sum(r["train_s"] for r in timed) / len(timed)
+
+
+def pfllib_mnist(device, sizes, tmp: Path) -> dict:
+    import torch
+
+    import fedlt.algorithms
+    from fedlt.algorithms.cohort import cohort_reason
+    from fedlt.models import create as create_model
+
+    base, p = _pfllib(sizes), sizes["pfllib"]
+    out = {"task": {k: v for k, v in base.items() if k != "partition"} | {"partition": "dirichlet(beta=0.1)"}}
+    reason = cohort_reason(fedlt.algorithms.create("fedavg"), create_model("pfllib_cnn"))
+    out["cohort_fallback"] = reason
+    for label, where, cohort, rounds in (("device sequential", str(device), 1, p["rounds"]),
+                                         ("device --cohort 10", str(device), 10, p["rounds"]),
+                                         ("cpu sequential", "cpu", 1, p["cpu_rounds"])):
+        summary, rows = _run(tmp / f"pfllib-{label.replace(' ', '_')}", **base, rounds=rounds, eval_every=rounds,
+                             device=where, cohort=cohort)
+        out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": rounds,
+                      "accuracy": summary["final"]["accuracy"], "threads": torch.get_num_threads()}
+    return out
+
+
+def scala_s2(device, sizes, tmp: Path) -> dict:
+    rounds = sizes["scala_rounds"]
+    settings = dict(algorithm="scala", model="alexnet", split="s2", dataset="mnist", rounds=rounds, eval_every=rounds,
+                    device=str(device))
+    if sizes is DRY:
+        settings.update(train_limit=600, test_limit=100, clients=10, participation=0.3, server_batch=24, local_iters=2)
+    summary, rows = _run(tmp / "scala", **settings)
+    return {"settings": settings, "seconds_per_round": _seconds_per_round(rows), "accuracy": summary["final"]["accuracy"],
+            "loss": summary["final"]["loss"]}
+
+
+def bf16(device, sizes, tmp: Path) -> dict:
+    rounds, out = sizes["bf16_rounds"], {}
+    for precision in ("fp32", "bf16"):
+        summary, rows = _run(tmp / f"bf16-{precision}", **_pfllib(sizes), rounds=rounds, eval_every=rounds,
+                             device=str(device), precision=precision)
+        out[precision] = {"accuracy": summary["final"]["accuracy"], "loss": summary["final"]["loss"],
+                          "seconds_per_round": _seconds_per_round(rows)}
+    out["accuracy_gap"] = abs(out["bf16"]["accuracy"] - out["fp32"]["accuracy"])
+    return out
+
+
+SECTIONS = {"doctor": doctor, "kernels": kernels, "fused_vs_eager": fused_vs_eager, "algorithms": algorithms,
+            "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
+    parser.add_argument("--dry-run", action="store_true", help="the same code on the CPU at tiny sizes")
+    parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default under benchmarks/results/)")
+    args = parser.parse_args(argv)
+    if not args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "0"  # the real kernels, compiled for the device
+    import torch
+
+    device = torch.device(args.device or ("cpu" if args.dry_run else "cuda"))
+    sizes = DRY if args.dry_run else FULL
+    path = args.out or RESULTS / ("device_check_dry_run.json" if args.dry_run else "device_check.json")
+    result = {"device": str(device), "dry_run": args.dry_run, "torch": torch.__version__,
+              "python": platform.python_version(), "cpus": os.cpu_count(), "sections": {}}
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedlt-device-check-") as tmp:
+        for name in args.only or SECTIONS:
+            fn, started, cpu = SECTIONS[name], time.perf_counter(), time.process_time()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                extra = (Path(tmp),) if fn.__code__.co_argcount == 3 else ()
+                section = fn(device, sizes, *extra)
+            except Exception as exc:  # noqa: BLE001  (recorded; the next section still runs)
+                section = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            section.update(seconds=round(time.perf_counter() - started, 2),
+                           cpu_seconds=round(time.process_time() - cpu, 2), **_memory(device))
+            result["sections"][name] = section
+            result["seconds"] = round(time.perf_counter() - began, 2)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            print(f"{name}: {section['seconds']} s ({section['cpu_seconds']} s CPU){' ERROR ' + section['error'][:300] if 'error' in section else ''}",
+                  flush=True)
+    print(f"wrote {path} ({result['seconds']} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

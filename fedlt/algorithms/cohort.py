@@ -1,0 +1,320 @@
+"""Many clients in one step (``--cohort N``, docs/gpu.md): the FedAvg family's local training of
+N participants run together as one functional step over stacked weights.
+
+Sequentially, each participant's round is its own loop of small kernels (forward, backward, clip,
+SGD), which leaves a GPU idle between launches for the small models of label-skew benchmarks
+(PFLlib's MNIST CNN). Here the N participants' weights are stacked along a new leading
+dimension, and each local step is
+
+    logits[k] = f(θ_k, x_k) for every k at once       (``torch.func.vmap`` of ``functional_call``)
+    loss = Σ_k objective_k(logits[k], y_k)            (each client's own objective object)
+    ∂loss/∂θ_k = ∂objective_k/∂θ_k                     (one backward: the clients do not interact)
+    per client: the variant's ``correct`` hook, clip to its own norm, SGD with its own momentum
+
+so the model's forward and backward are batched over clients, while everything that is a
+client's own stays its own: its minibatch stream (its generator), its augmentation and loss
+randomness (its stream of torch's generator, carried between steps as ``SeededSession`` does),
+its loss terms and their state (SGB), its momentum buffers, its persistent state (SCAFFOLD's
+c_i, FedDyn's g_k). A step takes the active clients whose minibatches have the same shape
+together; a client whose steps have run out is masked (it takes no step and keeps its weights
+and momentum), and an epoch's short last batch forms a group of its own.
+
+The result equals the sequential path up to float reassociation (batched vs single matmuls;
+the contract ``fedlt.testing.check_cohort`` holds it within 1e-5). Off by default: on the CPU
+it was measured slower than the sequential loop. What cannot be vmapped falls back to the
+sequential runner, with the reason from :func:`cohort_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+import fedlt.augment
+from fedlt.algorithms.base import (backward_precision, build_objective, client_generator, forward_precision,
+                                   upcast)
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
+                                            trainable_names)
+from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
+                                       isolated)
+from fedlt.datasets.source import to_device
+from fedlt.models import eval_mode
+
+def client_variant(algorithm: Any) -> ClientUpdate | None:
+    """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
+    when its client work is something else."""
+    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    if fn is client_update:
+        return _PLAIN
+    return fn if isinstance(fn, ClientUpdate) else None
+
+
+def cohort_reason(algorithm: Any, model: nn.Module) -> str | None:
+    """Why ``algorithm``'s clients cannot train as one cohort on ``model`` (None: they can)."""
+    if not isinstance(algorithm, Federated):
+        return f"{type(algorithm).__name__} is not one call per client per round (split learning runs sessions)"
+    update = client_variant(algorithm)
+    if update is None:
+        return f"{type(algorithm).__name__}'s client work is not a ClientUpdate loop"
+    for hook in ("parts", "backward"):
+        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
+            return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
+                    "or a two-pass step that the batched forward does not carry)")
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return f"the model has {type(m).__name__} (running statistics updated in place per client)"
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"the model has {type(m).__name__} (its randomness would not follow each client's stream)"
+    return None
+
+
+def _same_schedule(tasks: Sequence[ClientTask]) -> str | None:
+    first = tasks[0].schedule
+    keys = ("lr", "momentum", "weight_decay", "clip", "precision", "augment")
+    for t in tasks[1:]:
+        if any(getattr(t.schedule, k) != getattr(first, k) for k in keys):
+            return "the participants' optimisers differ (lr, momentum, weight decay, clip, precision or augmentation)"
+    return None
+
+
+@dataclass
+class _Client:
+    """One participant inside a cohort: what ``ClientUpdate.__call__`` keeps in locals."""
+
+    task: ClientTask
+    objective: Any
+    augment: Any
+    local: Any
+    stream: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    rng: dict[str, torch.Tensor]
+    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    steps: int = 0
+
+
+class _Seeded:
+    """Runs a client's code in its own stream of torch's generator, carried between calls."""
+
+    def __init__(self, client: _Client) -> None:
+        self.client = client
+
+    def __enter__(self) -> None:
+        self.ctx = client_rng(self.client.task, self.client.rng)
+        self.after = self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctx.__exit__(*exc)
+        if exc[0] is None:
+            self.client.rng = dict(self.after)
+
+
+def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[str]) -> _Client:
+    """A participant's round set up exactly as ``ClientUpdate.__call__`` does, in its own stream."""
+    with client_rng(task) as after:
+        model.load_state_dict(task.weights)
+        model.train()
+        objective = build_objective(task.objective, task.context, task.cid, task.data.class_counts,
+                                    [task.weights[n] for n in names], task.state.get("loss"))
+        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        augment = fedlt.augment.build(task.schedule.augment)
+        local = update.begin(task, model, [task.weights[n].detach().clone() for n in names])
+        stream = task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device))
+    return _Client(task, objective, augment, local, stream, dict(after))
+
+
+class Cohort:
+    """N participants' round as one vmapped loop (see the module); ``run()`` returns their results
+    in the order of ``tasks``."""
+
+    def __init__(self, update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> None:
+        self.update, self.tasks, self.model = update, list(tasks), model
+        self.names = trainable_names(model)
+        self.clients = [_open(update, t, model, self.names) for t in self.tasks]
+        self.schedule = self.tasks[0].schedule
+        trainable = set(self.names)
+        # frozen parameters and buffers: the same for every step, stacked once
+        self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
+                      for n, _ in [*model.named_parameters(), *model.named_buffers()] if n not in trainable}
+        self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
+        self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
+        # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
+        self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
+
+    def run(self) -> list[ClientResult]:
+        while True:
+            batches = self._draw()
+            if not batches:
+                break
+            for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
+                self._step([b for b in batches if tuple(b[1].shape) == shape])
+        return [self._finish(k, c) for k, c in enumerate(self.clients)]
+
+    def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The next minibatch (augmented) of every client that has one; the others are masked."""
+        out = []
+        for k, c in enumerate(self.clients):
+            with _Seeded(c):
+                batch = next(c.stream, None)
+                if batch is not None:
+                    out.append((k, c.augment(batch[0]), batch[1]))
+        return out
+
+    def _forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, params, (x,))
+
+    def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        ks = [k for k, _, _ in group]
+        index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
+        leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
+        fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        x = torch.stack([x for _, x, _ in group])
+        device = x.device
+        with forward_precision(self.schedule.precision, device):
+            logits = upcast(vmap(self._forward)(dict(zip(self.names, leaves)) | fixed, x))
+            teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
+            total = []
+            for j, (k, _, y) in enumerate(group):
+                c = self.clients[k]
+                extra: dict[str, Any] = {}
+                if c.objective.needs_teacher:
+                    extra["teacher_logits"] = teacher[j]
+                if c.objective.needs_params:
+                    extra["params"] = [leaf[j] for leaf in leaves]
+                with _Seeded(c):
+                    value = c.objective(logits[j], y, **extra)
+                c.parts.setdefault(OBJECTIVE, []).append(value.detach())
+                c.steps += 1
+                total.append(value)
+        with backward_precision(device):
+            torch.stack(total).sum().backward()
+        grads = self._corrected(ks, leaves)
+        self._clip(grads)
+        self._sgd(index, leaves, grads)
+
+    @torch.no_grad()
+    def _teacher(self, ks: list[int], x: torch.Tensor) -> torch.Tensor:
+        """Each client's received global model on its batch, as evaluated (``teacher_logits``)."""
+        received = {n: torch.stack([self.tasks[k].weights[n] for k in ks]) for n in self.tasks[ks[0]].weights}
+        with eval_mode(self.model):
+            return upcast(vmap(self._forward)(received, x))
+
+    def _corrected(self, ks: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The stacked gradients after each client's ``correct`` hook (SCAFFOLD, FedDyn), which
+        edits per-client parameter views whose ``.grad`` is that client's slice."""
+        grads = [leaf.grad for leaf in leaves]
+        if type(self.update).correct is ClientUpdate.correct:
+            return grads
+        per_client = []
+        for j, k in enumerate(ks):
+            params = []
+            for leaf, g in zip(leaves, grads):
+                p = leaf.detach()[j]
+                p.grad = None if g is None else g[j].clone()
+                params.append(p)
+            self.update.correct(self.clients[k].local, params)
+            per_client.append([p.grad for p in params])
+        out = []
+        for i in range(len(leaves)):
+            column = [pc[i] for pc in per_client]
+            if all(g is None for g in column):
+                out.append(None)
+            elif any(g is None for g in column):
+                raise RuntimeError(f"parameter {self.names[i]} has a gradient for some clients only")
+            else:
+                out.append(torch.stack(column))
+        return out
+
+    def _clip(self, grads: list[torch.Tensor | None]) -> None:
+        """``clip_grad_norm_`` per client: each client's gradients scaled to its own total norm."""
+        if self.schedule.clip is None:
+            return
+        present = [g for g in grads if g is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in present], 1)
+        coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
+        for g in present:
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+
+    @torch.no_grad()
+    def _sgd(self, index: torch.Tensor, leaves: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """``torch.optim.SGD`` (momentum, dampening 0, weight decay) on each client's slice; the
+        first step of a parameter starts its momentum buffer at d_p, as torch does."""
+        s = self.schedule
+        for i, (leaf, g) in enumerate(zip(leaves, grads)):
+            if g is None:  # torch's SGD skips a parameter without a gradient
+                continue
+            p = leaf.detach()
+            d_p = g.add(p, alpha=s.weight_decay) if s.weight_decay else g
+            if s.momentum:
+                buf = self.momentum[i].index_select(0, index)
+                first = ~self.started[i].index_select(0, index)
+                buf = torch.where(first.view(-1, *([1] * (buf.dim() - 1))), d_p, buf.mul(s.momentum).add(d_p))
+                self.momentum[i].index_copy_(0, index, buf)
+                self.started[i].index_fill_(0, index, True)
+                d_p = buf
+            self.weights[i].index_copy_(0, index, p.add(d_p, alpha=-s.lr))
+
+    def _finish(self, k: int, c: _Client) -> ClientResult:
+        task = c.task
+        train_loss = check_parts(c.parts, c.steps, task)
+        params = [w[k] for w in self.weights]
+        with _Seeded(c):
+            own, extras = self.update.end(c.local, task, self.model, params, c.steps)
+        state = ({"loss": c.objective.state_dict()} if c.objective.state_dict() else {}) | own
+        trained = dict(zip(self.names, params))
+        weights = {n: (trained[n] if n in trained else t).detach().clone() for n, t in task.weights.items()}
+        return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
+
+
+class CohortRunner:
+    """A ClientRunner that trains a FedAvg-family round's participants ``size`` at a time as one
+    cohort each (:class:`Cohort`), around ``transport`` (this process's ``LocalRunner``), which
+    runs everything else: split-learning sessions, a round with an injected fault, an algorithm
+    or model :func:`cohort_reason` refuses (``fallback`` keeps the last reason). With a
+    transport that tolerates failures, a cohort that raises is rerun client by client, so the
+    failure is charged to the client that caused it."""
+
+    def __init__(self, transport: ClientRunner, size: int) -> None:
+        self.transport, self.size = transport, size
+        self.fallback: str | None = None
+
+    @property
+    def tolerate(self) -> bool:
+        return bool(getattr(self.transport, "tolerate", False))
+
+    def reason(self, algorithm: Any, tasks: Sequence[ClientTask]) -> str | None:
+        if any(t.fault for t in tasks):
+            return "a participant has an injected fault (run one by one)"
+        model = getattr(algorithm, "_work", None)
+        if model is None:
+            return f"{type(algorithm).__name__} has no work module"
+        return cohort_reason(algorithm, model) or (_same_schedule(tasks) if tasks else None)
+
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+        self.fallback = self.reason(algorithm, tasks)
+        if self.fallback is not None or self.size <= 1:
+            return self.transport.call(algorithm, tasks)
+        update, out = client_variant(algorithm), []
+        for start in range(0, len(tasks), self.size):
+            chunk = tasks[start:start + self.size]
+            try:
+                out += Cohort(update, [isolated(t) for t in chunk], algorithm._work).run()
+            except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
+                if not self.tolerate:
+                    raise
+                out += self.transport.call(algorithm, chunk)
+        return out
+
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
+        return self.transport.exchange(algorithm, tasks)
+
+
+def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
+    """``transport`` itself for ``size`` 1 (the default), else a :class:`CohortRunner` around it."""
+    return transport if size <= 1 else CohortRunner(transport, size)
+
+
+__all__ = ["Cohort", "CohortRunner", "cohort_reason", "with_cohort"]

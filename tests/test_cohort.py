@@ -1,0 +1,87 @@
+"""``--cohort N`` (fedlt.algorithms.cohort): the FedAvg family's participants trained together in
+one vmapped step equal the sequential path (the contract, over the registry)."""
+
+import pytest
+import torch
+from torch import nn
+
+import fedlt.algorithms
+from fedlt.algorithms.cohort import cohort_reason, with_cohort
+from fedlt.algorithms.fedavg_family import FedAvgFamily
+from fedlt.algorithms.protocol import LocalRunner
+from fedlt.testing import check_cohort
+from fedlt.testing.cohort import largest_gap
+
+FEDAVG_FAMILY = [n for n in fedlt.algorithms.REGISTRY.list()
+                 if isinstance(fedlt.algorithms.create(n), fedlt.algorithms.fedavg_family.Federated)]
+
+
+def test_the_family_is_found():
+    assert {"fedavg", "fedprox", "fedlc", "fedvls", "fedgrab", "scaffold", "feddyn", "fednova", "moon"} <= set(FEDAVG_FAMILY)
+
+
+@pytest.mark.parametrize("name", FEDAVG_FAMILY)
+def test_cohort_equals_sequential(name):
+    check_cohort(name)
+
+
+@pytest.mark.parametrize("name,hook", [("moon", "parts"), ("feddecorr", "parts"), ("fedsam", "backward")])
+def test_what_cannot_be_vmapped_says_why(name, hook):
+    algorithm = fedlt.algorithms.create(name)
+    assert f"overrides ClientUpdate.{hook}" in cohort_reason(algorithm, nn.Linear(2, 2))
+
+
+def test_models_coupling_a_batch_or_drawing_randomness_fall_back():
+    plain = fedlt.algorithms.create("fedavg")
+    assert cohort_reason(plain, nn.Sequential(nn.Linear(2, 2))) is None
+    assert "BatchNorm1d" in cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert "Dropout" in cohort_reason(plain, nn.Sequential(nn.Dropout(0.5)))
+    assert "split learning" in cohort_reason(fedlt.algorithms.create("scala"), nn.Linear(2, 2))
+
+
+def test_off_by_default_and_a_checked_setting(resolved):
+    runner = LocalRunner()
+    assert with_cohort(runner, 1) is runner
+    assert resolved("--cohort", "10").cohort == 10
+    from fedlt.config import RunConfig
+
+    assert RunConfig().cohort == 1
+    with pytest.raises(ValueError, match="cohort"):
+        RunConfig(cohort=0)
+
+
+def test_the_gap_measure_sees_a_difference():
+    a = {"w": torch.ones(3), "m": [1.0, 2.0]}
+    assert largest_gap(a, a)[0] == 0
+    assert largest_gap({"w": torch.ones(3) * (1 + 3e-5), "m": [1.0, 2.0]}, a) [1] == ".w"
+    assert largest_gap({"w": torch.ones(3) * (1 + 3e-5), "m": [1.0, 2.0]}, a)[0] == pytest.approx(3e-5, rel=1e-2)
+
+
+class _Unequal(FedAvgFamily):
+    """A broken cohort would show here: the contract must be able to fail."""
+
+
+def test_the_contract_can_fail(monkeypatch):
+    from fedlt.algorithms import cohort
+    from fedlt.testing import ContractError
+
+    real = cohort.Cohort._sgd
+
+    def skewed(self, index, leaves, grads):  # a cohort that steps 1% too far
+        real(self, index, leaves, [None if g is None else g * 1.01 for g in grads])
+
+    monkeypatch.setattr(cohort.Cohort, "_sgd", skewed)
+    with pytest.raises(ContractError, match=r"\[same as sequential\]"):
+        check_cohort(_Unequal)
+
+
+def test_a_run_with_cohort_equals_the_sequential_run(tmp_path):
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    settings = dict(TINY, model="mlp", algorithm="fedprox", rounds=2, local_epochs=1, batch_size=8)
+    one = run(RunConfig(**settings, out=tmp_path / "one"))
+    many = run(RunConfig(**settings, cohort=3, out=tmp_path / "many"))
+    assert many["final"]["loss"] == pytest.approx(one["final"]["loss"], abs=1e-5)
+    assert many["final"]["accuracy"] == one["final"]["accuracy"]

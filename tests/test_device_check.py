@@ -1,0 +1,35 @@
+"""benchmarks/device_check.py --dry-run: the script a lent GPU runs, run here on the CPU at tiny
+sizes (same code), so it cannot rot between GPU sessions."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
+    cpu = time.process_time()
+    result = _script().main(["--dry-run", "--out", str(tmp_path / "check.json")])
+    # CPU time, not wall time: the shared test machine's load must not fail it (idle: ~15 s wall)
+    assert time.process_time() - cpu < 30
+    assert json.loads((tmp_path / "check.json").read_text())["sections"].keys() == result["sections"].keys()
+    sections = result["sections"]
+    assert set(sections) == {"doctor", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist", "scala_s2", "bf16"}
+    assert not [name for name, s in sections.items() if "error" in s]
+    assert result["device"] == "cpu" and result["dry_run"]
+    assert sections["kernels"]["all_passed"]  # the Triton kernels under the interpreter
+    assert {r["dtype"] for r in sections["kernels"]["rows"]} == {"float32", "bfloat16"}
+    assert sections["algorithms"]["largest_loss_gap"] == 0  # "device" is the CPU here: the same numbers
+    timings = sections["pfllib_mnist"]
+    assert all(timings[k]["seconds_per_round"] > 0 for k in ("device sequential", "device --cohort 10", "cpu sequential"))
+    assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
+    assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
