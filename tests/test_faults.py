@@ -195,7 +195,7 @@ def test_a_short_round_is_skipped_by_default_and_the_run_goes_on_and_resumes_exa
     stay as they were, the run goes on; stopped after the skipped round and resumed, it ends as
     the whole run does. ``on_short="stop"`` keeps the old stop."""
     markov = {"name": "markov", "p_on": 0.3, "p_off": 0.5}
-    avail = fedlt.availability.REGISTRY.create(**markov)
+    avail = fedlt.availability.REGISTRY.create("markov", p_on=0.3, p_off=0.5)
     short = [r + 1 for r in range(4) if not any(avail.available(0, r, c) for c in sample_clients(8, 0.5, 0, r))]
     assert short == [2]  # the case the issue reports: a round with no sampled client available
     whole = small(tmp_path / "whole", availability=markov, rounds=4)
