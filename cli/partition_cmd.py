@@ -14,9 +14,9 @@ from rich.table import Table
 from fedlt import outputs
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, resolve_partition
-from fedlt.config import DEFAULT_PARTITION
 from fedlt.errors import FedltError
 from fedlt.registry import create_from_spec
+from fedlt.spec import DEFAULT_PARTITION
 
 WIDE = 20  # above this many classes, one column per class is unreadable
 

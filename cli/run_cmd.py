@@ -186,6 +186,8 @@ def run(
                                               "e.g. 3) or a share (a decimal, e.g. 0.5; 1.0 = all)"),
     round_timeout: Optional[float] = typer.Option(None, help="deadline of a round in seconds (late clients drop)"),
     on_failure: Optional[str] = typer.Option(None, help="a failed or late client: stop the run, or drop it"),
+    on_short: Optional[str] = typer.Option(None, help="a round below --min-results: skip it (the model stays as "
+                                           "it was; default) or stop the run"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
@@ -224,7 +226,8 @@ def run(
         overrides["availability"] = availability
     if augment is not None:
         overrides["augment"] = augment
-    faults = {k: v for k, v in dict(round_timeout=round_timeout, on_failure=on_failure).items() if v is not None}
+    faults = {k: v for k, v in dict(round_timeout=round_timeout, on_failure=on_failure, on_short=on_short).items()
+              if v is not None}
     if min_results is not None:  # an integer is a count, a decimal a share of the sampled clients
         faults["min_results"] = number(min_results, "--min-results")
     if faults:

@@ -14,12 +14,20 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
+import fedlt.algorithms
+import fedlt.augment
+import fedlt.availability
+import fedlt.datasets
+import fedlt.models
+import fedlt.partitioners
+import fedlt.posthoc
 from fedlt import safe_yaml
 from fedlt.errors import FedltError
-from fedlt.registry import create_from_spec
-from fedlt.spec import MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec
+from fedlt.registry import Registry, create_from_spec
+from fedlt.spec import DEFAULT_PARTITION, MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec  # noqa: F401
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
 MAX_ROUNDS = 100_000
@@ -28,8 +36,18 @@ MAX_LOCAL_EPOCHS = 1_000
 MAX_BATCH = 1_000_000
 MAX_WORKERS = 1_024  # processes, not threads: beyond any one machine's cores (a typo, not a plan)
 
-# The partition a run uses when none is given (also what `fedlt partition` shows without flags).
-DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
+
+
+def _engine_check(obj: Any) -> str | None:
+    return None if callable(obj) else f"{type(obj).__name__} is not callable (an engine runs a RunConfig)"
+
+
+# Engines, known here by name only: ``engine(config, *, resume, on_round, on_start) -> summary``.
+# The built-ins are declared by module path and imported on first use (as entry points are); a
+# third-party engine registers under the entry-point group ``fedlt.engines``.
+ENGINES: Registry = Registry("engine", entry=_engine_check)
+ENGINES.declare("local", "fedlt.engine:local_engine")
+ENGINES.declare("flower", "fedlt.flower.simulation:run")
 
 
 class Strict(BaseModel):
@@ -127,6 +145,10 @@ class Faults(Strict):
     on_failure: Literal["stop", "drop"] = Field(
         "stop", description="a client that fails or is late: stop the run with its error (stop), or leave it "
                             "out of the round (drop)")
+    on_short: Literal["skip", "stop"] = Field(
+        "skip", description="a round in which fewer than min_results clients return: skip it (the global model "
+                            "and server state stay as they were, the row says why, the run goes on) or stop the "
+                            "run (the last complete round is checkpointed)")
 
     def required(self, sampled: int) -> int:
         """How many of ``sampled`` clients must return."""
@@ -216,7 +238,6 @@ class RunConfig(Strict):
         """Scripted faults naming a client this run does not have are refused (the availability's
         ``check_run``), now that ``clients`` is known; rounds beyond ``rounds`` are refused for a
         new run by ``fedlt run`` (a run cut early and resumed with more rounds keeps them)."""
-        import fedlt.availability
 
         availability = create_from_spec(fedlt.availability.REGISTRY, self.availability, "availability")
         try:
@@ -268,8 +289,6 @@ class RunConfig(Strict):
     def _known_dataset(cls, spec: str) -> str:
         """A dataset spec (``mnist``, ``imagefolder(image_size=96)``): the name is checked (with the
         valid names and a suggestion) and its parameter names; their values when it is loaded."""
-        import fedlt.datasets
-
         try:
             fedlt.datasets.parse(spec)
         except FedltError as exc:
@@ -279,26 +298,20 @@ class RunConfig(Strict):
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, name: str) -> str:
-        import fedlt.algorithms
-
         fedlt.algorithms.get(name)
         return name
 
     @field_validator("partition")
     @classmethod
     def _valid_partition(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        import fedlt.partitioners
-
         return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
 
     @field_validator("augment", mode="before")
     @classmethod
     def _augment_spec(cls, spec: Any) -> Any:
-        from fedlt.augment import parse_augment
-
         if isinstance(spec, str):  # "random_crop(padding=4) + hflip", as on the CLI
             try:
-                return parse_augment(spec, "augment")
+                return fedlt.augment.parse_augment(spec, "augment")
             except FedltError as exc:
                 raise ValueError(str(exc)) from None
         return spec
@@ -306,8 +319,6 @@ class RunConfig(Strict):
     @field_validator("augment")
     @classmethod
     def _valid_augment(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        import fedlt.augment
-
         for spec in specs:
             _check_component(fedlt.augment.REGISTRY, spec, "augment")
         return specs
@@ -315,8 +326,6 @@ class RunConfig(Strict):
     @field_validator("availability", mode="before")
     @classmethod
     def _availability_spec(cls, spec: Any) -> Any:
-        from fedlt.spec import parse_spec
-
         if isinstance(spec, str):  # a spec string, as on the CLI
             try:
                 return parse_spec(spec, "availability")
@@ -327,15 +336,11 @@ class RunConfig(Strict):
     @field_validator("availability")
     @classmethod
     def _valid_availability(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        import fedlt.availability
-
         return _check_component(fedlt.availability.REGISTRY, spec, "availability")
 
     @field_validator("posthoc")
     @classmethod
     def _valid_posthoc(cls, specs: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
-        import fedlt.posthoc
-
         for spec in specs:
             spec = {"name": spec} if isinstance(spec, str) else spec
             if "name" not in spec:
@@ -359,10 +364,6 @@ class RunConfig(Strict):
     def _known_model(cls, spec: str) -> str:
         """A model spec (``mlp``, ``timm:resnet18``, ``my_net(width=64)``): the name is checked, and
         a registered model's parameters against its signature (nothing is built here)."""
-        import inspect
-
-        import fedlt.models
-
         try:
             name, params = fedlt.models.parse_model(spec)
         except FedltError as exc:
@@ -383,8 +384,6 @@ class RunConfig(Strict):
     @field_validator("engine")
     @classmethod
     def _registered_engine(cls, engine: str) -> str:
-        from fedlt.engine import ENGINES
-
         if engine not in ENGINES.list():
             raise ValueError(f"unknown engine {engine!r} (registered: {', '.join(ENGINES.list())})")
         return engine
@@ -392,8 +391,6 @@ class RunConfig(Strict):
     @field_validator("device")
     @classmethod
     def _valid_device(cls, device: str) -> str:
-        import torch
-
         try:
             kind = torch.device(device).type
         except RuntimeError:
@@ -409,8 +406,6 @@ class RunConfig(Strict):
     @field_validator("algorithm_params")
     @classmethod
     def _valid_algorithm_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        import fedlt.algorithms
-
         if "name" in params:
             raise ValueError("the algorithm is chosen by 'algorithm', not by a 'name' among its parameters")
         if "algorithm" in info.data:  # else the algorithm itself is already reported as invalid
@@ -457,11 +452,3 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     for key, value in overrides.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
-
-
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """A RunConfig from an optional file, with ``overrides`` (e.g. CLI flags) taking precedence."""
-    data = read_config_file(path) if path is not None else {}
-    if not isinstance(data, dict):
-        raise FedltError(f"config file {path} must hold a table of settings at its top level")
-    return RunConfig.model_validate(merge(data, overrides or {}))

@@ -6,17 +6,28 @@ participants — is a field read here, not a new argument threaded through the e
 names the field in its constructor (``def __init__(self, *, rounds, round_index)``) and
 ``fedlt.losses.build`` hands it over; a client update or a strategy reads ``task.context``.
 
-This module imports nothing of fedlt's so that losses, algorithms and engines can all use it.
+This module imports nothing of fedlt's so that losses, algorithms and engines can all use it (the
+bottom layer): a ModelSpec is built by the builder fedlt.models installs when it is imported
+(``use_model_builder``), as every process that builds a model imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+
+_MODEL_BUILDER: list[Callable[..., nn.Module]] = []  # fedlt.models.build, once fedlt.models is imported
+
+
+def use_model_builder(build: Callable[..., nn.Module]) -> None:
+    """What ``ModelSpec.build`` calls: ``build(name, *, in_chans, num_classes, image_size)``."""
+    _MODEL_BUILDER[:] = [build]
 
 
 @dataclass(frozen=True)
@@ -29,10 +40,10 @@ class ModelSpec:
     image_size: int
 
     def build(self) -> nn.Module:
-        import fedlt.models
-
-        return fedlt.models.build(self.name, in_chans=self.in_chans, num_classes=self.num_classes,
-                                  image_size=self.image_size)
+        if not _MODEL_BUILDER:
+            raise RuntimeError("a ModelSpec is built by fedlt.models: import it first")
+        return _MODEL_BUILDER[0](self.name, in_chans=self.in_chans, num_classes=self.num_classes,
+                                 image_size=self.image_size)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 torch threads may be running), each with one torch thread. A run binds the pool once
 (``ParallelRunner.bind``): the training tensors go to every worker in shared memory (one copy
 into shared memory, none per round), the configuration and the partition as plain values; each
-worker builds the run's parts with ``fedlt.engine.prepare`` and keeps them while the run lasts.
+worker builds the run's parts with ``fedlt.run.parts.rebuild`` and keeps them while the run lasts.
 
 A task crosses as the lossless wire format without its data; the worker slices its client's
 samples from the shared tensors by the partition's indices, as a Flower node does. Every client
@@ -37,26 +37,24 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
-import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 
 from fedlt import wire
-from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, SeededSession, Upload, failure_reason,
                                        run_client)
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError, first_line
+from fedlt.run.parts import client_data, rebuild
+from fedlt.start_method import PRELOAD, main_not_rerun, process_context  # noqa: F401  (re-exported)
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
 REPLY_WAIT_S = 3600.0  # one message's work (a round's local training at most); then the worker is replaced
@@ -122,22 +120,15 @@ class _Worker:
     def bind(self, key: str, config_json: str, partition: Any, data: Any) -> None:
         if key == self.key:
             return
-        from fedlt.config import RunConfig
-        from fedlt.engine import prepare
-
         self.key, self.prep, self.sessions = None, None, {}
-        self.prep = prepare(RunConfig.model_validate(json.loads(config_json)), partition, data=data)
+        self.prep = rebuild(config_json, partition, data=data)
         self.key = key
 
     def task(self, packed: Packed) -> ClientTask:
         """The task with its client's data, sliced from the shared tensors as the engine slices it."""
-        prep = self.prep
-        device = torch.device(prep.config.device)
+        device = torch.device(self.prep.config.device)
         task = unpack(packed, device)
-        idx = torch.as_tensor(prep.partition.client_indices[task.cid], dtype=torch.long)
-        x, y = images(prep.data.x_train).subset(idx), prep.data.y_train[idx]  # from files: paths, decoded here
-        data = ClientData(task.cid, x.to(device), y.to(device), prep.counts[task.cid].to(device))
-        return dataclasses.replace(task, data=data)
+        return dataclasses.replace(task, data=client_data(self.prep, task.cid, device))
 
     def call(self, packed: Packed) -> Packed:
         task = self.task(packed)
@@ -221,45 +212,11 @@ class WorkerLost(Exception):
     """A worker died or did not answer in time (its process is gone or killed)."""
 
 
-# imported once by the fork server, so that a worker (a fork of it) starts with them loaded
-PRELOAD = ["fedlt.engine", "fedlt.parallel", "torch._dynamo"]
-
-
-def process_context() -> Any:
-    """How fedlt starts its processes (workers, loader processes): ``forkserver`` where there is
-    one — a clean process that imports torch and fedlt once and forks each worker from there before
-    any torch thread exists (a worker, or its replacement, starts in a fraction of a second) —
-    ``spawn`` elsewhere. Never a fork of this process, whose torch threads may be running."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
-@contextmanager
-def _main_not_rerun() -> Iterator[None]:
-    """While a worker is spawned: a spawned process re-runs the parent's ``__main__`` file (a
-    user's script, perhaps without an ``if __name__ == "__main__"`` guard: it would run the whole
-    experiment again in every worker). A worker runs fedlt's code only, so it is not told of it."""
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__spec__ = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
-
-
 class _Process:
     def __init__(self, ctx: Any, index: int) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=worker_main, args=(child,), name=f"fedlt-worker-{index}", daemon=True)
-        with _main_not_rerun():
+        with main_not_rerun():
             self.process.start()
         child.close()
         self.busy_since: float | None = None

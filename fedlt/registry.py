@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import importlib
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +53,7 @@ class Registry(Generic[T]):
         self._plugins_loaded = False
         self._plugin_names: set[str] = set()  # entries that came from entry points
         self._origin: dict[str, str] = {}  # plugin entry -> "plugin 'dist' (module:attr)"
+        self._declared: dict[str, str] = {}  # built-ins known by name: name -> "module:attr"
 
     # -- registration -------------------------------------------------------------------------
     def register(self, name: str | None = None) -> Callable[[T], T]:
@@ -63,8 +65,19 @@ class Registry(Generic[T]):
 
         return decorate
 
+    def declare(self, name: str, target: str) -> None:
+        """A built-in known by name only (``"package.module:attr"``), imported on its first
+        lookup as an entry point is: the registry's module need not import what it names."""
+        if name in self._entries or name in self._declared:
+            raise FedltError(f"{self.kind} {name!r} is already registered")
+        self._declared[name] = target
+
+    def _load_declared(self, name: str) -> None:
+        module, _, attr = self._declared.pop(name).partition(":")
+        self._entries[name] = getattr(importlib.import_module(module), attr)
+
     def add(self, name: str, obj: T) -> None:
-        if name in self._entries:
+        if name in self._entries or name in self._declared:
             raise FedltError(f"{self.kind} {name!r} is already registered")
         self._entries[name] = obj
 
@@ -94,12 +107,14 @@ class Registry(Generic[T]):
 
     # -- lookup -------------------------------------------------------------------------------
     def get(self, name: str) -> T:
+        if name in self._declared:
+            self._load_declared(name)
         if name not in self._entries:
             self._load_plugins()
         try:
             return self._entries[name]
         except KeyError:
-            valid = sorted(self._entries)
+            valid = sorted([*self._entries, *self._declared])
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UnknownNameError(
@@ -125,9 +140,11 @@ class Registry(Generic[T]):
     def list(self, pattern: str = "*") -> list[str]:
         """Sorted registered names matching a shell-style ``pattern`` (e.g. ``"fed*"``)."""
         self._load_plugins()
-        return sorted(n for n in self._entries if fnmatch.fnmatchcase(n, pattern))
+        return sorted(n for n in [*self._entries, *self._declared] if fnmatch.fnmatchcase(n, pattern))
 
     def __contains__(self, name: object) -> bool:
+        if name in self._declared:
+            return True
         if name not in self._entries:
             self._load_plugins()
         return name in self._entries
@@ -140,7 +157,7 @@ class Registry(Generic[T]):
         for ep in entry_points(group=self.group):
             dist = ep.dist.name if ep.dist is not None else "unknown distribution"
             what = f"{self.kind} {ep.name!r} of plugin {dist!r} ({ep.value})"
-            if ep.name in self._entries:
+            if ep.name in self._entries or ep.name in self._declared:
                 holder = "another plugin" if ep.name in self._plugin_names else "a built-in component"
                 _warn(f"{what} ignored: {holder} has that name")
                 continue

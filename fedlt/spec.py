@@ -36,6 +36,9 @@ _NONE_WORDS = {"none", "null"}
 MAX_TEXT_LENGTH = 2000
 MAX_DEPTH = 64
 
+# The partition a run uses when none is given (also what `fedlt partition` shows without flags).
+DEFAULT_PARTITION = {"name": "quantity", "alpha": 2}
+
 
 def shown(text: str) -> str:
     """``text`` quoted for a message, cut to 80 characters."""

@@ -158,7 +158,7 @@ def test_a_round_below_min_results_is_not_applied_and_the_run_resumes_exactly(tm
     if algorithm == "scala":
         extra["model"] = "alexnet"
     cut = small(tmp_path / "cut", algorithm=algorithm, availability=scenario, checkpoint_every=3,
-                faults={"on_failure": "drop", "min_results": 2}, **extra)
+                faults={"on_failure": "drop", "min_results": 2, "on_short": "stop"}, **extra)
     with pytest.raises(RoundIncomplete, match="round 3: 1 of 4 sampled client"):
         run(cut)
     run(small(tmp_path / "two", algorithm=algorithm, availability=scenario, rounds=2, **extra))
@@ -187,3 +187,33 @@ def test_fedlt_report_shows_the_rounds_that_lost_clients(tmp_path, capsys):
     lost = [line for line in out.splitlines() if "unavailable" in line]
     assert len(lost) == 1 and "lossy" in lost[0] and "3/4" in lost[0]  # round 2 (not an evaluated round)
     assert f"{scenario['drops'][0][1]}: unavailable" in lost[0]
+
+
+def test_a_short_round_is_skipped_by_default_and_the_run_goes_on_and_resumes_exactly(tmp_path):
+    """Issue 35: under markov availability a round whose sampled clients are all unavailable
+    (below min_results=1) is skipped: its row says why, the global model and the client states
+    stay as they were, the run goes on; stopped after the skipped round and resumed, it ends as
+    the whole run does. ``on_short="stop"`` keeps the old stop."""
+    markov = {"name": "markov", "p_on": 0.3, "p_off": 0.5}
+    avail = fedlt.availability.REGISTRY.create("markov", p_on=0.3, p_off=0.5)
+    short = [r + 1 for r in range(4) if not any(avail.available(0, r, c) for c in sample_clients(8, 0.5, 0, r))]
+    assert short == [2]  # the case the issue reports: a round with no sampled client available
+    whole = small(tmp_path / "whole", availability=markov, rounds=4)
+    run(whole)
+    skipped = {r["round"]: r.get("skipped") for r in rows(tmp_path / "whole")}
+    assert [r for r, why in skipped.items() if why] == short
+    assert "0 of 4 sampled client" in skipped[2] and "accuracy" in rows(tmp_path / "whole")[1]
+    run(small(tmp_path / "one", availability=markov, rounds=1))
+    run(small(tmp_path / "two", availability=markov, rounds=2))
+    one, two = (io.load_checkpoint(tmp_path / d / "checkpoint.pt") for d in ("one", "two"))
+    for part in ("algorithm", "client_states"):
+        assert not differences(one[part], two[part], 0.0), part  # the skipped round changed nothing
+    cut = small(tmp_path / "cut", availability=markov, rounds=2)
+    run(cut)
+    run(cut.model_copy(update={"rounds": 4}), resume=True)
+    ends = [io.load_checkpoint(tmp_path / d / "checkpoint.pt") for d in ("cut", "whole")]
+    for part in ("algorithm", "client_states"):
+        assert not differences(ends[0][part], ends[1][part], 0.0), part
+    with pytest.raises(RoundIncomplete, match="round 2: 0 of 4 sampled client"):
+        run(small(tmp_path / "stop", availability=markov, rounds=4,
+                  faults={"on_failure": "drop", "on_short": "stop"}))

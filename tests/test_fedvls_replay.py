@@ -22,6 +22,8 @@ import torch
 
 import fedlt.datasets
 import fedlt.engine
+import fedlt.run.evaluation
+import fedlt.run.parts
 import fedlt.partitioners
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError
@@ -240,8 +242,8 @@ def test_run_fedlt_trains_on_the_export_and_authors_norm_is_their_transform(expo
         return real_run(config, **kwargs)
 
     monkeypatch.setattr(fedlt.engine, "run", run_and_keep)
-    monkeypatch.setattr(fedlt.engine, "load_data", fedlt.engine.load_data)  # restored after --authors-norm
-    monkeypatch.setattr(fedlt.engine, "evaluate", fedlt.engine.evaluate)  # run_fedlt wraps it: restored after the test
+    monkeypatch.setattr(fedlt.run.parts, "load_data", fedlt.run.parts.load_data)  # restored after --authors-norm
+    monkeypatch.setattr(fedlt.run.evaluation, "evaluate", fedlt.run.evaluation.evaluate)  # run_fedlt wraps it: restored after the test
     base = ["run_fedlt.py", "--algo", "fedvls", "--dataset", "arrays", "--data-root", str(data_dir / "mnist-authors.npz"),
             "--partition-file", str(data_dir / "partition.npz"), "--rounds", "1", "--clients", str(K)]
     for flags, out in (([], "plain"), (["--authors-norm"], "authors")):

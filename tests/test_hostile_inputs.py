@@ -27,6 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedlt.engine
+import fedlt.run.evaluation
+import fedlt.run.parts
 from fedlt import io, rundir
 from fedlt.cli import main
 from fedlt.config import RunConfig
@@ -97,7 +99,7 @@ class System:
 # -- one process per run directory (subprocesses) -----------------------------------------------
 PAUSED_CHILD = """
 import sys, time, pathlib
-import fedlt.engine as engine
+import fedlt.run.parts as engine  # where the loop looks sample_clients up
 go, ready = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 real = engine.sample_clients
 def paused(num_clients, participation, seed, round_index):
@@ -278,7 +280,7 @@ def test_bad_output_paths_are_one_line_before_any_work(finished_run, tmp_path, c
     (tmp_path / "d.npz").mkdir()
     shutil.copytree(finished_run, tmp_path / "run")
     loaded = []
-    monkeypatch.setattr(fedlt.engine, "load_data", lambda config: loaded.append(1))
+    monkeypatch.setattr(fedlt.run.parts, "load_data", lambda config: loaded.append(1))
     for argv, words in output_cases(tmp_path):
         err = fails_cleanly(argv, capsys, tmp_path)
         assert words in err, (argv, err)
@@ -528,7 +530,7 @@ def test_a_second_ctrl_c_prints_one_line_saying_what_was_kept(tmp_path, capsys, 
             os.kill(os.getpid(), signal.SIGINT)  # the second stops at once
         return real(num_clients, participation, seed, round_index)
 
-    monkeypatch.setattr(fedlt.engine, "sample_clients", interrupt_twice)
+    monkeypatch.setattr(fedlt.run.parts, "sample_clients", interrupt_twice)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as info:
         main(["run", *TINY, "--out", str(out)])

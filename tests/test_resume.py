@@ -16,6 +16,8 @@ from conftest import without_timings
 
 import fedlt.aggregators
 import fedlt.engine
+import fedlt.run.evaluation
+import fedlt.run.parts
 from fedlt import io
 from fedlt.cli import main
 from fedlt.config import RunConfig
@@ -108,7 +110,7 @@ def test_sigterm_finishes_the_round_checkpoints_and_resumes_exactly(tmp_path, mo
             os.kill(os.getpid(), signal.SIGTERM)
         return sample_clients(num_clients, participation, seed, round_index)
 
-    monkeypatch.setattr(fedlt.engine, "sample_clients", sample_then_terminate)
+    monkeypatch.setattr(fedlt.run.parts, "sample_clients", sample_then_terminate)
     handler_before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "stopped"
     with pytest.raises(RunStopped) as info:

@@ -43,6 +43,7 @@ from fedlt.datasets import register
 from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, normalise, npy_header
 from fedlt.errors import FedltError, first_line
 from fedlt.spec import shown
+from fedlt.start_method import process_context
 
 WHAT = "dataset imagefolder"
 # torchvision's IMG_EXTENSIONS, and GIF; anything else in a class folder is skipped, as torchvision does
@@ -593,8 +594,6 @@ class FileImages:
             idle = self.files.kept.setdefault(key, [])
             if idle:
                 return idle.pop()
-        from fedlt.parallel import process_context
-
         feed = _Feed()
         with warnings.catch_warnings():  # the number of workers is the user's choice (--loader-workers)
             warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
@@ -605,7 +604,7 @@ class FileImages:
                 _Decoder(replace(self.files, kept={}), self.mean, self.std, self.transforms), batch_sampler=feed,
                 num_workers=self.workers, collate_fn=_as_is, pin_memory=self.device.type == "cuda",
                 persistent_workers=True,
-                # started by fedlt.parallel's fork server, never forked from this process: a loader may
+                # started by fedlt.start_method's fork server, never forked from this process: a loader may
                 # start inside the evaluation thread, and a fork of a process whose other threads hold
                 # locks can hang its child (seen with --workers: the overlapped evaluation's loader)
                 multiprocessing_context=process_context(),

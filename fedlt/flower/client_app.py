@@ -23,7 +23,6 @@ Both run the client in its own random stream (``fedlt.algorithms.protocol``), as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,9 @@ from flwr.clientapp import ClientApp
 
 from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.protocol import SeededSession, run_client
-from fedlt.config import RunConfig
-from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.flower import codec
+from fedlt.run import parts
 
 app = ClientApp()
 
@@ -48,14 +46,9 @@ def prepared(run: ConfigRecord, context: Context):
     path = str(context.node_config.get("partition-file", run["partition"]))
     key = (str(run["config"]), path)
     if key not in _PREPARED:
-        from fedlt.engine import load_partition, prepare
-
-        if not Path(path).is_file():
-            raise FedltError(f"no partition file at {path}: give the node one with "
-                             "--node-config 'partition-file=\"/path/partition.npz\"'")
-        config = RunConfig.model_validate(json.loads(run["config"]))
+        prep = parts.rebuild(str(run["config"]), Path(path))
         _PREPARED.clear()  # one run at a time per process
-        _PREPARED[key] = prepare(config, load_partition(path))
+        _PREPARED[key] = prep
     return _PREPARED[key]
 
 
@@ -63,10 +56,7 @@ def client_data(prep, cid: int, context: Context) -> ClientData:
     held = int(context.node_config.get("partition-id", -1))
     if cid != held:
         raise FedltError(f"a task for client {cid} reached the node holding partition {held}")
-    device = torch.device(prep.config.device)
-    idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long)
-    return ClientData(cid, images(prep.data.x_train).subset(idx).to(device), prep.data.y_train[idx].to(device),
-                      prep.counts[cid].to(device))
+    return parts.client_data(prep, cid, torch.device(prep.config.device))
 
 
 @app.query("partition")

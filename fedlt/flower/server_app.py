@@ -1,4 +1,4 @@
-"""The ServerApp: fedlt's own run loop (fedlt.engine.run) with each round's client work sent
+"""The ServerApp: fedlt's own run loop (fedlt.run.loop.run) with each round's client work sent
 as Flower messages through the Grid. The algorithm's round logic is not repeated here: the loop
 calls ``algorithm.train_round(..., runner)`` with ``FlowerRounds`` as the runner, and the
 algorithm asks it for one-call work (``call``: one ``train`` message per participant) or for
@@ -23,9 +23,10 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, Upload
-from fedlt.config import RunConfig
+from fedlt.config import RunConfig, read_config_file
 from fedlt.errors import FedltError, first_line
 from fedlt.flower import codec
+from fedlt.run import loop
 
 NODE_WAIT_S = 120.0  # how long to wait for the SuperNodes to connect
 REPLY_WAIT_S = 3600.0  # how long one exchange may take (a round's local training, at most)
@@ -224,14 +225,11 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """A deployed run: the fedlt config file named by the run config, driven through ``grid``."""
-    from fedlt.config import read_config_file
-    from fedlt.engine import run
-
     settings = context.run_config
     if "config" not in settings:
         raise FedltError("the ServerApp needs a fedlt config file: flwr run ... --run-config 'config=\"run.toml\"'")
     config = RunConfig.model_validate(read_config_file(Path(str(settings["config"]))))
     rounds = FlowerRounds(grid, config, node_wait=float(settings.get("node-wait", NODE_WAIT_S)))
-    summary = run(config, resume=bool(settings.get("resume", False)), runner=rounds)
+    summary = loop.run(config, resume=bool(settings.get("resume", False)), runner=rounds)
     print(f"fedlt: final accuracy {summary['final']['accuracy']:.4f} after {summary['rounds']} rounds -> {config.out}",
           flush=True)

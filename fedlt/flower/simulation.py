@@ -33,6 +33,9 @@ from typing import Any
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError, first_line
 from fedlt.flower import require
+from fedlt.flower.processes import ProcessGuard
+from fedlt.run import loop
+from fedlt.run.signals import StoppedAtOnce
 
 # the simulation's SuperNodes exist from the start and answer once Ray has started their actors,
 # which a loaded machine can delay beyond a deployment's 120 s: wait longer, there is nothing to miss
@@ -71,8 +74,6 @@ class StopSignals:
         if self.first is None:
             self.first = signum
             return
-        from fedlt.engine import StoppedAtOnce
-
         if self.count == 2 and self.in_loop:
             class Second(StoppedAtOnce):  # raised by class, not instance: the signal travels in it
                 def __init__(self) -> None:
@@ -177,9 +178,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from fedlt.engine import run as run_engine
     from fedlt.flower.client_app import app as client_app
-    from fedlt.flower.processes import ProcessGuard
     from fedlt.flower.server_app import FlowerRounds
 
     outcomes: list[dict[str, Any]] = []
@@ -197,7 +196,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
             try:
                 for job in jobs:
                     rounds = FlowerRounds(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
-                    summary = run_engine(job.config, resume=job.resume, on_round=job.on_round,
+                    summary = loop.run(job.config, resume=job.resume, on_round=job.on_round,
                                          on_start=job.on_start, runner=rounds,
                                          stop_requested=lambda: signals.first)
                     outcomes.append({"summary": summary, "exchanges": rounds.exchanges})
@@ -229,8 +228,6 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     if failure:
         raise failure[0]
     if signals.first is not None and len(outcomes) < len(jobs):
-        from fedlt.engine import StoppedAtOnce
-
         raise StoppedAtOnce(signals.first)  # stopped before the loop could finish a round
     if len(outcomes) < len(jobs):
         raise FedltError(f"the Flower simulation ended before its runs finished (see {LOG_NAME} in the run "

@@ -14,6 +14,7 @@ from fedlt.losses.fedgrab import SGB, FedGraB, dpa, phi  # noqa: E402
 from fedlt.losses.prox import FedProx  # noqa: E402
 from fedlt.losses.labelskew import FedIR, FedLMD, FedNTD, FedRS  # noqa: E402
 from fedlt.losses.longtail import GCL, LDAM, EQLv2, BalancedSoftmax, Focal  # noqa: E402
+from fedlt.losses.fused import check as _check  # noqa: E402,F401  (installs the fused kernels' checks)
 
 __all__ = [
     "REGISTRY", "register", "get", "create", "list", "build", "compose", "parse", "validate",

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fedlt.context import use_model_builder
 from fedlt.errors import FedltError, first_line
 from fedlt.models.alexnet import MLP, AlexNet
 from fedlt.models.splitting import SPLITTERS, SplitPoint, cut_points, split, split_points  # noqa: F401
@@ -73,6 +74,9 @@ def build(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.
         except TypeError as exc:  # an unknown parameter: one line naming the model
             raise FedltError(f"model {name!r}: {first_line(exc)}") from None
     return model.to(memory_format=torch.channels_last)
+
+
+use_model_builder(build)  # ModelSpec.build (fedlt.context, the bottom layer) builds through it
 
 
 def classifier(model: nn.Module) -> nn.Linear:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedlt.config import RunConfig
 from fedlt.engine import RunStopped, run
 from fedlt.errors import FedltError, first_line
@@ -125,7 +127,7 @@ class Outcome:
 
 Event = Callable[[str, str, "Outcome | None"], None]
 
-# a stop asked of a worker before the engine's own handler is installed (fedlt.engine.stop_on_signal)
+# a stop asked of a worker before the run's own handler is installed (fedlt.run.signals.stop_on_signal)
 _STOP: dict[str, int | None] = {"signal": None}
 
 
@@ -136,8 +138,6 @@ def _remember_stop(signum: int, frame: Any) -> None:
 def run_job(job: Job) -> Outcome:
     """One run, in whatever process the executor chose: never raises; a failure is an Outcome
     holding its one-line error."""
-    import torch
-
     started = time.perf_counter()
     if job.threads is not None:
         torch.set_num_threads(job.threads)

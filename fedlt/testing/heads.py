@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import fedlt.models
+from fedlt.models import heads
 from fedlt.testing.base import Contract, registered
 
 D, C, B = 12, 5, 7  # representation size, classes and batch of every case
@@ -25,9 +27,6 @@ def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
     from the head and ``get_classifier()`` returns it); [state round trip] (a fresh head loaded
     with a trained one's ``state_dict`` gives the same logits).
     """
-    import fedlt.models
-    from fedlt.models import heads
-
     params = dict(params or {})
     with registered(heads.REGISTRY, head, "contract_head") as name:
         c = Contract(f"head {name!r}")

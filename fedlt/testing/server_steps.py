@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import fedlt.server_steps
 from fedlt import wire
 from fedlt.testing.base import Contract, registered
 
@@ -67,8 +68,6 @@ def check_server_step(step: Any, params: dict[str, Any] | None = None) -> None:
     rounding); [state round trip] (a fresh step loaded with another's ``state_dict`` after a
     round gives the same payload and the same next classifier).
     """
-    import fedlt.server_steps
-
     with registered(fedlt.server_steps.REGISTRY, step, "contract_server_step") as name:
         c = Contract(f"server step {name!r}")
 

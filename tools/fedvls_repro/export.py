@@ -177,7 +177,7 @@ def export(work: Path, out: Path, alpha: float, clients: int) -> dict:
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:
         sys.path.insert(0, here)
-    import run_authors  # beside this file; it knows how the authors' main.py is run offline
+    import authors as run_authors  # beside this file; it knows how the authors' main.py is run offline
 
     work = work.resolve()
     system = run_authors.authors_system(work)

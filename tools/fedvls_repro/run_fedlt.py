@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 import fedlt.engine
+import fedlt.run.evaluation
+import fedlt.run.parts
 from fedlt.config import RunConfig
 from fedlt.datasets.arrays import read_arrays
 from fedlt.datasets.base import InMemoryDataset, normalise
@@ -70,7 +72,7 @@ def main() -> None:
     )
     data = load_data(config)
     if args.authors_norm:
-        fedlt_load = fedlt.engine.load_data
+        fedlt_load = fedlt.run.parts.load_data
 
         def load_data_authors_norm(cfg):
             d = fedlt_load(cfg)  # same samples, same order; the images re-made from the raw uint8 files
@@ -83,7 +85,7 @@ def main() -> None:
             return InMemoryDataset(d.name, as_authors(raw_train), d.y_train, as_authors(raw_test), d.y_test,
                                    d.num_classes, d.groups_train, d.class_names)
 
-        fedlt.engine.load_data = load_data_authors_norm
+        fedlt.run.parts.load_data = load_data_authors_norm
         data = load_data_authors_norm(config)
     if args.drop_last:
         from fedlt.algorithms.base import LocalSchedule
@@ -95,7 +97,7 @@ def main() -> None:
 
         LocalSchedule.batches = batches
     train_acc: list[float] = []
-    evaluate = fedlt.engine.evaluate
+    evaluate = fedlt.run.evaluation.evaluate
 
     def evaluate_both(model, *a, **k):
         with torch.no_grad():
@@ -104,7 +106,7 @@ def main() -> None:
         print(f"[harness] round {len(train_acc)}: train-union acc {train_acc[-1]:.4f}", flush=True)
         return evaluate(model, *a, **k)
 
-    fedlt.engine.evaluate = evaluate_both  # measurement only: what is trained is untouched
+    fedlt.run.evaluation.evaluate = evaluate_both  # measurement only: what is trained is untouched
     summary = fedlt.engine.run(config)
     rows = [json.loads(line) for line in (args.out / "metrics.jsonl").read_text().splitlines()]
     curve = {

@@ -1,4 +1,4 @@
-"""A Triton kernel is trusted on a device only after it passed a check there (docs/fused.md).
+"""The checks behind the fused path's trust gate (fedlt.losses.fused.trust; docs/fused.md).
 
 Under ``fused="auto"`` the first loss call that would run a kernel on a device checks it once per
 process, per kernel and dtype: on a fixed probe batch, its value and gradient (through the same
@@ -20,64 +20,16 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+import fedlt.losses as L
 from fedlt.errors import first_line
-
-KERNELS = ("objective", "sgb", "pair")
-# the largest error allowed, relative to the reference's largest magnitude (values and gradients)
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float64: 1e-10}
-PROBE = (48, 23)  # B, C: several row and class blocks' remainders, cheap under the interpreter
-
-
-class FusedKernelWarning(UserWarning):
-    """A Triton kernel failed its check on a device; the reference runs there instead."""
-
-
-@dataclass(frozen=True)
-class KernelCheck:
-    """The outcome of one kernel's check on one device in one dtype."""
-
-    kernel: str
-    device: str
-    dtype: str
-    passed: bool
-    detail: str  # the largest relative error found, or why it failed
-
-
-def kernel_of(kind: str) -> str:
-    """The kernel a dispatch kind runs on (``"sgb"``, ``"pair"``, every objective family)."""
-    return kind if kind in ("sgb", "pair") else "objective"
-
-
-_checks: dict[tuple[str, str, torch.dtype], KernelCheck] = {}
-
-
-def trusted(kind: str, logits: torch.Tensor, impl: ModuleType) -> bool:
-    """Whether ``impl``'s kernel for ``kind`` passed its check on ``logits``' device and dtype
-    (checked now, once per process, if it never was; a failure warns once)."""
-    key = (kernel_of(kind), str(logits.device), logits.dtype)
-    result = _checks.get(key)
-    if result is None:
-        result = _checks[key] = check_kernel(key[0], logits.device, logits.dtype, impl)
-        if not result.passed:
-            warnings.warn(f"fused loss: the Triton kernel {result.kernel!r} failed its check on {result.device} "
-                          f"({result.dtype}): {result.detail}; running the reference path there",
-                          FusedKernelWarning, stacklevel=5)
-    return result.passed
-
-
-def forget() -> None:
-    """Drop every recorded check (tests; a process that changed its kernels)."""
-    _checks.clear()
-
-
-def checks() -> list[KernelCheck]:
-    """The checks made so far in this process."""
-    return list(_checks.values())
+from fedlt.losses.fedgrab import phi, sgb_reference
+from fedlt.losses.fused.dispatch import _OffsetCEPair, objective_value, offset_ce_pair, triton_backend
+from fedlt.losses.fused.trust import (KERNELS, TOLERANCE, PROBE, FusedKernelWarning, KernelCheck,  # noqa: F401
+                                      checks, forget, kernel_of, trusted, use_checker)
 
 
 # -- probes: (fused value and gradient, reference value and gradient) on one device -----------------
@@ -102,9 +54,6 @@ def _grad(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor) -> t
 
 
 def _objective_probes(impl: ModuleType, device: torch.device, dtype: torch.dtype, size=PROBE):
-    import fedlt.losses as L
-    from fedlt.losses.fused.dispatch import objective_value
-
     logits, teacher, targets, counts = _problem(device, dtype, size=size)
     for expr in ("logit_adjust", "fedvls", "logit_suppression(variant='paper')"):
         ref_loss = L.build(expr, class_counts=counts, fused="off")
@@ -115,8 +64,6 @@ def _objective_probes(impl: ModuleType, device: torch.device, dtype: torch.dtype
 
 
 def _pair_probes(impl: ModuleType, device: torch.device, dtype: torch.dtype, size=PROBE):
-    from fedlt.losses.fused.dispatch import _OffsetCEPair, offset_ce_pair
-
     logits, _, targets, counts = _problem(device, dtype, size=size)
     B, C = logits.shape
     sizes = [B // 3, B // 3, B - 2 * (B // 3)]
@@ -139,8 +86,6 @@ def _sgb_runs(impl: ModuleType, device: torch.device, dtype: torch.dtype, size=P
              reference_dtype: torch.dtype = torch.float64):
     """(label, fused call, reference call) of SGB's steps 4–6 (value, gradient, the collector's
     sums) for both bases; the reference on the logits in ``reference_dtype``."""
-    from fedlt.losses.fedgrab import phi, sgb_reference
-
     logits, _, targets, _ = _problem(device, dtype, size=size)
     gen = torch.Generator().manual_seed(2)
     C = logits.shape[1]
@@ -166,8 +111,6 @@ def _worst(fused: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 def check_kernel(kernel: str, device: torch.device | str, dtype: torch.dtype, impl: ModuleType | None = None
                  ) -> KernelCheck:
     """Run ``kernel``'s probes on ``device`` in ``dtype`` (``impl``: the Triton kernels module)."""
-    from fedlt.losses.fused.dispatch import triton_backend
-
     device = torch.device(device)
     impl = impl or triton_backend()
     name = str(dtype).removeprefix("torch.")
@@ -207,8 +150,6 @@ def speed(kernel: str, device: torch.device | str, dtype: torch.dtype, size: tup
           reps: int = 20, impl: ModuleType | None = None) -> tuple[float, float]:
     """Milliseconds per forward+backward of the kernel's probes and of the reference (in ``dtype``),
     on a ``size`` batch: what ``fedlt doctor`` prints."""
-    from fedlt.losses.fused.dispatch import triton_backend
-
     device = torch.device(device)
     impl = impl or triton_backend()
 
@@ -248,3 +189,6 @@ def report(device: torch.device | str, dtypes: tuple[torch.dtype, ...] = (torch.
                     row["fused_ms"], row["reference_ms"] = speed(kernel, device, dtype, size, reps)
             rows.append(row)
     return rows
+
+
+use_checker(check_kernel)  # the gate runs these checks

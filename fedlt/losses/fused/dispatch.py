@@ -3,7 +3,7 @@
 - ``off``: the reference (eager, term by term; the ground truth).
 - ``on``: Triton kernels for CUDA tensors (when triton imports), the analytic torch path of
   :mod:`.cpu` for every other tensor.
-- ``auto``: Triton on CUDA, each kernel once it passed its check on the device (:mod:`.check`:
+- ``auto``: Triton on CUDA, each kernel once it passed its check on the device (:mod:`.trust`:
   value and gradient against the reference on a probe batch; a failure warns once and the
   reference runs); on the CPU the fused path only where ``benchmarks/fused_loss.py``
   measured it faster than the reference (``CPU_AUTO_RULES``); the reference elsewhere.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fedlt.errors import FedltError
-from fedlt.losses.fused import check, cpu
+from fedlt.losses.fused import cpu, trust
 from fedlt.losses.fused.parts import Part
 
 MODES = ("auto", "on", "off")
@@ -88,13 +88,13 @@ TRITON_DEVICES: tuple[str, ...] = ("cuda",)
 def backend(mode: str, logits: torch.Tensor, kind: str) -> ModuleType | None:
     """The module whose ``objective`` / ``sgb`` / ``offset_ce_pair`` runs ``kind`` on ``logits``,
     or None for the reference. Cheap on purpose: every loss call asks. Under ``auto`` a Triton
-    kernel runs on a device only once it passed its check there (:mod:`.check`); ``on`` trusts
+    kernel runs on a device only once it passed its check there (:mod:`.trust`); ``on`` trusts
     it unchecked."""
     if mode == "off":
         return None
     if logits.device.type in TRITON_DEVICES:
         triton = triton_backend()
-        if triton is not None and (mode == "on" or check.trusted(kind, logits, triton)):
+        if triton is not None and (mode == "on" or trust.trusted(kind, logits, triton)):
             return triton
         return cpu if mode == "on" else None
     if mode == "on":

@@ -1,0 +1,185 @@
+"""A run's parts, built before its first round: the data, the partition, the algorithm and its
+context (``prepare``), one client's slice of the training set (``client_data``), the round's
+participants (``sample_clients``) and random stream (``round_seed``), and one round driven as the
+loop drives it (``train_round``). ``rebuild`` is how a process that holds no run — a worker
+process (fedlt.parallel) or a Flower node (fedlt.flower) — builds the same parts from the run's
+configuration (as JSON) and partition.
+
+May import: the bottom layer, the components, the algorithms and fedlt.config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch._dynamo  # noqa: F401  (torch imports it inside the first optimiser: a start-up cost, paid here)
+
+import fedlt.algorithms
+import fedlt.augment
+import fedlt.datasets
+import fedlt.partitioners
+from fedlt.algorithms.base import ClientData, RunContext
+from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
+from fedlt.algorithms.split import classifier_of
+from fedlt.config import RunConfig
+from fedlt.context import ModelSpec
+from fedlt.datasets.base import InMemoryDataset
+from fedlt.datasets.source import images
+from fedlt.errors import FedltError
+from fedlt.metrics import class_groups
+from fedlt.models.splitting import SPLITTERS, resolve_cut
+
+
+def load_data(config: RunConfig) -> InMemoryDataset:
+    data = fedlt.datasets.load(config.dataset, root=config.data_root, download=config.download)
+    return data.limit(config.train_limit, config.test_limit).loading(config.loader_workers)
+
+
+def make_partition(config: RunConfig, data: InMemoryDataset):
+    labels = data.y_train.numpy()
+    if config.partition_file is not None:
+        partition = fedlt.partitioners.Partition.load(config.partition_file)
+        partition.check_dataset(labels, data.name)
+    else:
+        spec = dict(config.partition)
+        partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
+        partition = fedlt.partitioners.partition_data(partitioner, data, config.clients, config.seeds.data)
+    if len(partition.client_indices) != config.clients:
+        raise FedltError(f"the partition has {len(partition.client_indices)} clients but clients={config.clients}")
+    return partition
+
+
+def sample_clients(num_clients: int, participation: float, sampling_seed: int, round_index: int,
+                   available: list[int] | None = None) -> list[int]:
+    """round(r·K) clients (at least 1) without replacement; a stream of its own per round, so
+    resuming at any round draws what the uninterrupted run drew. With ``available`` (availability
+    acting before sampling), the draw is among those clients only (all of them if fewer)."""
+    m = max(int(round(participation * num_clients)), 1)
+    rng = np.random.default_rng([sampling_seed, round_index])
+    if available is None:
+        return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+    if not available:
+        return []
+    return sorted(rng.choice(np.asarray(available), size=min(m, len(available)), replace=False).tolist())
+
+
+def round_seed(sampling_seed: int, round_index: int) -> int:
+    """Seed of torch's global generator during one round (a stream apart from sample_clients')."""
+    words = np.random.SeedSequence([sampling_seed, round_index, 0x70C4]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def group_classes(train_counts: np.ndarray, config: RunConfig) -> dict[str, np.ndarray]:
+    g = config.groups
+    return class_groups(train_counts, rule=g.rule, thresholds=(g.many_above, g.few_below),
+                        shares=(g.many_share, g.medium_share))
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs before its first round; building it checks what only the data and
+    the model can tell (partition parameters against the classes, the split point against the
+    model), so a bad setting fails before anything is trained or written."""
+
+    config: RunConfig
+    data: InMemoryDataset
+    partition: Any
+    counts: torch.Tensor  # K×C int64
+    groups: dict[str, np.ndarray]
+    algorithm: Any
+    ctx: RunContext
+
+
+def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, counts: torch.Tensor,
+                augment: list) -> RunContext:
+    device = torch.device(config.device)
+    return RunContext(
+        num_classes=model_spec.num_classes, input_shape=input_shape, build_model=model_spec.build,
+        split=config.split, server_batch=config.server_batch, local_iters=config.local_iters,
+        local_epochs=config.local_epochs, batch_size=config.batch_size, lr=config.optimiser.lr,
+        momentum=config.optimiser.momentum, weight_decay=config.optimiser.weight_decay, clip=config.optimiser.clip,
+        sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
+        fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
+        precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
+    )
+
+
+def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | None = None) -> Prepared:
+    """The run's parts; ``data``: a worker process gets the run's, in shared memory."""
+    fresh = data is None
+    data = load_data(config) if data is None else data
+    # augmentation: normalize()'s statistics come from the training set, the model is built for the
+    # pipeline's output, and the test set gets its evaluation form (resize, crops, normalize) once
+    augment = fedlt.augment.fit(config.augment, data.x_train)
+    pipeline = fedlt.augment.build(augment)
+    input_shape = pipeline.output_shape(tuple(data.x_train.shape[1:]))
+    if pipeline.changes_eval and fresh:
+        data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
+    if partition is None:
+        partition = make_partition(config, data)
+    counts = torch.as_tensor(np.asarray(partition.class_counts), dtype=torch.int64)
+    if counts.shape[1] != data.num_classes:
+        raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
+    model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
+    ctx = run_context(config, model_spec, input_shape, counts, augment)
+    with torch.device("meta"):  # the layer structure without allocating the weights
+        check_split_point(model_spec.build(), config)
+    algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
+    with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
+        torch.manual_seed(config.seeds.model)
+        algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
+    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx)
+
+
+def rebuild(config_json: str, partition: Any, data: InMemoryDataset | None = None) -> Prepared:
+    """The run's parts in a process that holds no run (a worker process, a Flower node), from the
+    run's configuration as JSON and its partition (a Partition or the path of its file)."""
+    if not isinstance(partition, fedlt.partitioners.Partition):
+        path = Path(partition)
+        if not path.is_file():
+            raise FedltError(f"no partition file at {path}: give the node one with "
+                             "--node-config 'partition-file=\"/path/partition.npz\"'")
+        partition = fedlt.partitioners.Partition.load(path)
+    return prepare(RunConfig.model_validate(json.loads(config_json)), partition, data=data)
+
+
+def client_data(prep: Prepared, cid: int, device: torch.device, source: tuple[Any, torch.Tensor] | None = None
+                ) -> ClientData:
+    """Client ``cid``'s training samples (by the partition's indices) and class counts on
+    ``device``; ``source``: the training set already on ``device`` (the main process moves it
+    once), else the run's own (shared memory in a worker; images read from files are decoded here)."""
+    x, y = source if source is not None else (prep.data.x_train, prep.data.y_train)
+    idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=y.device)
+    return ClientData(cid, images(x).subset(idx).to(device), y[idx].to(device), prep.counts[cid].to(device))
+
+
+def check_split_point(model: torch.nn.Module, config: RunConfig) -> None:
+    """A model that names its own cut points (AlexNet: s1..s5) has ``split`` checked for every
+    algorithm: the FedAvg family never splits, so a typo would otherwise pass unnoticed. Other
+    models are checked when a split algorithm cuts them (the default 's2' is AlexNet's)."""
+    if config.split is None or not SPLITTERS.get("own").applies(model):
+        return
+    try:
+        resolve_cut(model, config.split)
+    except FedltError:
+        names = list(model.split_points())
+        raise FedltError(f"split: {config.split!r} is not a split point of {config.model} (valid: {', '.join(names)}, "
+                         f"or an index 0..{len(names) - 1})") from None
+
+
+def train_round(algorithm: Any, ctx: RunContext, round_index: int, participants: list[ClientData],
+                states: ClientStates, runner: ClientRunner | None = None) -> dict[str, float]:
+    """One round as the loop runs it: the round's context (with the global classifier at its
+    start), the server side's draws in the round's own random stream (clients draw from theirs),
+    the client work through ``runner`` (default: this process). Also the way to drive an
+    algorithm by hand (tests, notebooks, benchmarks) exactly as a run would."""
+    round_ctx = ctx.round(round_index, participants, classifier_of(algorithm.global_model()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(round_seed(ctx.sampling_seed, round_index))
+        return algorithm.train_round(round_ctx, participants, states, runner or LocalRunner())

@@ -1,0 +1,48 @@
+"""How fedlt starts processes (worker processes, image-loader processes): owns the start method
+and the fork server's preload. Bottom layer: imports nothing of fedlt (the preload list names
+modules as strings; the fork server imports them in its own process).
+
+``forkserver`` where there is one — a clean process that imports torch and fedlt once and forks
+each new process from there before any torch thread exists (a worker, or its replacement, starts
+in a fraction of a second) — ``spawn`` elsewhere. Never a fork of the calling process, whose torch
+threads may be running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# imported once by the fork server, so that a process forked from it starts with them loaded
+PRELOAD = ["fedlt.engine", "fedlt.parallel", "torch._dynamo"]
+
+
+def process_context() -> Any:
+    """The multiprocessing context fedlt starts its processes with (forkserver with PRELOAD, or
+    spawn where there is no fork server)."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+@contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """While a process is spawned: a spawned process re-runs the parent's ``__main__`` file (a
+    user's script, perhaps without an ``if __name__ == "__main__"`` guard: it would run the whole
+    experiment again in every worker). A worker runs fedlt's code only, so it is not told of it."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
