@@ -6,6 +6,8 @@ count per class, so nothing is recomputed per metric.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -89,6 +91,45 @@ def client_metrics(per_class_accuracy: list[float | None], client_class_counts: 
         return {"client_mean_accuracy": None, "client_min_accuracy": None, "client_std_accuracy": None}
     return {"client_mean_accuracy": float(scores.mean()), "client_min_accuracy": float(scores.min()),
             "client_std_accuracy": float(scores.std())}
+
+
+def per_client_summary(correct: np.ndarray, total: np.ndarray, train_counts: np.ndarray, prefix: str,
+                       group_of: Callable[[np.ndarray], dict[str, np.ndarray]] = class_groups,
+                       worst_share: float = 0.1) -> dict:
+    """SPEC §7's per-client numbers from K×C tables of each client's correct and total test
+    predictions per class (its own test set) and its K×C training class counts.
+
+    a_k = Σ_c correct_kc / Σ_c total_kc over the clients with a test sample. Returns, each key
+    prefixed ``<prefix>_``: ``mean_weighted`` (Σ correct / Σ total: weighted by test-set size),
+    ``mean`` (unweighted over clients), ``std`` (population), ``min``, ``worst10`` (mean of the
+    ⌈share·K⌉ lowest, at least one), ``clients`` (how many were scored), and ``many`` / ``medium`` /
+    ``few``: for each client the mean per-class accuracy over the classes of that group *by its own
+    training counts* (``group_of(n_k)``) present in its test set, averaged over the clients where it
+    is defined (None where no client has one). Values are None when no client was scored.
+    """
+    correct, total = np.asarray(correct, np.float64), np.asarray(total, np.float64)
+    sizes = total.sum(axis=1)
+    scored = sizes > 0
+    keys = ["mean_weighted", "mean", "std", "min", "worst10", "many", "medium", "few"]
+    out: dict = {f"{prefix}_{key}": None for key in keys}
+    out[f"{prefix}_clients"] = int(scored.sum())
+    if not scored.any():
+        return out
+    acc = correct[scored].sum(axis=1) / sizes[scored]
+    worst = np.sort(acc)[: max(1, math.ceil(worst_share * acc.size))]
+    out.update({f"{prefix}_mean_weighted": float(correct.sum() / total.sum()), f"{prefix}_mean": float(acc.mean()),
+                f"{prefix}_std": float(acc.std()), f"{prefix}_min": float(acc.min()),
+                f"{prefix}_worst10": float(worst.mean())})
+    per_class = np.divide(correct, total, out=np.full_like(correct, np.nan), where=total > 0)
+    for group in ("many", "medium", "few"):
+        values = []
+        for k in np.flatnonzero(scored):
+            members = group_of(np.asarray(train_counts[k]))[group]
+            present = members[total[k, members] > 0]
+            if present.size:
+                values.append(per_class[k, present].mean())
+        out[f"{prefix}_{group}"] = float(np.mean(values)) if values else None
+    return out
 
 
 def evaluate(model: nn.Module, x: Images, y: torch.Tensor, num_classes: int,

@@ -16,6 +16,7 @@ with the component and the name of the property, e.g.
 |---|---|
 | loss term | :func:`check_loss_term` |
 | partitioner | :func:`check_partitioner` |
+| client test set | :func:`check_client_test` |
 | model / splitter | :func:`check_model`, :func:`check_splitter` |
 | aggregator | :func:`check_aggregator` |
 | dataset | :func:`check_dataset` |
@@ -27,6 +28,7 @@ with the component and the name of the property, e.g.
 from fedlt.testing.base import ContractError
 from fedlt.testing.losses import check_loss_term
 from fedlt.testing.partitioners import check_partitioner
+from fedlt.testing.client_tests import check_client_test
 from fedlt.testing.models import check_model, check_splitter
 from fedlt.testing.aggregators import check_aggregator
 from fedlt.testing.datasets import check_dataset
@@ -34,5 +36,5 @@ from fedlt.testing.algorithms import check_algorithm
 from fedlt.testing.engines import check_engines
 from fedlt.testing.parallel import check_parallel
 
-__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter",
+__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_client_test", "check_model", "check_splitter",
            "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel"]
