@@ -93,6 +93,21 @@ def client_metrics(per_class_accuracy: list[float | None], client_class_counts: 
             "client_std_accuracy": float(scores.std())}
 
 
+def client_class_tallies(is_correct: np.ndarray, labels: np.ndarray, test_indices: list[np.ndarray],
+                         num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """K×C tables (correct, total) of each client's test set, from one prediction per sample of the
+    set the indices point into: the model is run once over the union, never once per client
+    (clients of a matched protocol share test samples)."""
+    sizes = np.fromiter((len(t) for t in test_indices), dtype=np.int64, count=len(test_indices))
+    owner = np.repeat(np.arange(len(test_indices), dtype=np.int64), sizes)
+    flat = np.concatenate(test_indices).astype(np.int64) if len(test_indices) else np.zeros(0, np.int64)
+    cell = owner * num_classes + np.asarray(labels, dtype=np.int64)[flat]
+    length = len(test_indices) * num_classes
+    total = np.bincount(cell, minlength=length).reshape(-1, num_classes)
+    correct = np.bincount(cell, weights=np.asarray(is_correct, dtype=np.float64)[flat], minlength=length)
+    return correct.reshape(-1, num_classes).astype(np.int64), total
+
+
 def per_client_summary(correct: np.ndarray, total: np.ndarray, train_counts: np.ndarray, prefix: str,
                        group_of: Callable[[np.ndarray], dict[str, np.ndarray]] = class_groups,
                        worst_share: float = 0.1) -> dict:

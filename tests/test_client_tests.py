@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fedlt import client_tests, partitioners
 from pydantic import ValidationError
-from fedlt.metrics import class_groups, per_client_summary
+from fedlt.metrics import class_groups, client_class_tallies, per_client_summary
 from fedlt.testing import ContractError, check_client_test
 
 
@@ -147,3 +147,17 @@ def test_worst10_is_the_mean_of_the_lowest_tenth_not_the_minimum():
     total = np.full((20, 1), 19)
     got = per_client_summary(correct, total, np.full((20, 1), 50), "p")
     assert got["p_worst10"] == pytest.approx(0.5 / 19) and got["p_min"] == 0.0  # clients 0 and 1
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(0, 10**6), st.integers(1, 6), st.integers(1, 5))
+def test_client_tallies_count_each_clients_own_test_samples(seed, clients, classes):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, 50)
+    is_correct = rng.integers(0, 2, 50).astype(bool)
+    sets = [np.sort(rng.choice(50, rng.integers(0, 20), replace=False)) for _ in range(clients)]
+    correct, total = client_class_tallies(is_correct, labels, sets, classes)
+    for k, test in enumerate(sets):
+        for c in range(classes):
+            assert total[k, c] == sum(1 for i in test if labels[i] == c)
+            assert correct[k, c] == sum(1 for i in test if labels[i] == c and is_correct[i])
