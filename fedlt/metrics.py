@@ -6,6 +6,8 @@ count per class, so nothing is recomputed per metric.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -89,6 +91,60 @@ def client_metrics(per_class_accuracy: list[float | None], client_class_counts: 
         return {"client_mean_accuracy": None, "client_min_accuracy": None, "client_std_accuracy": None}
     return {"client_mean_accuracy": float(scores.mean()), "client_min_accuracy": float(scores.min()),
             "client_std_accuracy": float(scores.std())}
+
+
+def client_class_tallies(is_correct: np.ndarray, labels: np.ndarray, test_indices: list[np.ndarray],
+                         num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """K×C tables (correct, total) of each client's test set, from one prediction per sample of the
+    set the indices point into: the model is run once over the union, never once per client
+    (clients of a matched protocol share test samples)."""
+    sizes = np.fromiter((len(t) for t in test_indices), dtype=np.int64, count=len(test_indices))
+    owner = np.repeat(np.arange(len(test_indices), dtype=np.int64), sizes)
+    flat = np.concatenate(test_indices).astype(np.int64) if len(test_indices) else np.zeros(0, np.int64)
+    cell = owner * num_classes + np.asarray(labels, dtype=np.int64)[flat]
+    length = len(test_indices) * num_classes
+    total = np.bincount(cell, minlength=length).reshape(-1, num_classes)
+    correct = np.bincount(cell, weights=np.asarray(is_correct, dtype=np.float64)[flat], minlength=length)
+    return correct.reshape(-1, num_classes).astype(np.int64), total
+
+
+def per_client_summary(correct: np.ndarray, total: np.ndarray, train_counts: np.ndarray, prefix: str,
+                       group_of: Callable[[np.ndarray], dict[str, np.ndarray]] = class_groups,
+                       worst_share: float = 0.1) -> dict:
+    """SPEC §7's per-client numbers from K×C tables of each client's correct and total test
+    predictions per class (its own test set) and its K×C training class counts.
+
+    a_k = Σ_c correct_kc / Σ_c total_kc over the clients with a test sample. Returns, each key
+    prefixed ``<prefix>_``: ``mean_weighted`` (Σ correct / Σ total: weighted by test-set size),
+    ``mean`` (unweighted over clients), ``std`` (population), ``min``, ``worst10`` (mean of the
+    ⌈share·K⌉ lowest, at least one), ``clients`` (how many were scored), and ``many`` / ``medium`` /
+    ``few``: for each client the mean per-class accuracy over the classes of that group *by its own
+    training counts* (``group_of(n_k)``) present in its test set, averaged over the clients where it
+    is defined (None where no client has one). Values are None when no client was scored.
+    """
+    correct, total = np.asarray(correct, np.float64), np.asarray(total, np.float64)
+    sizes = total.sum(axis=1)
+    scored = sizes > 0
+    keys = ["mean_weighted", "mean", "std", "min", "worst10", "many", "medium", "few"]
+    out: dict = {f"{prefix}_{key}": None for key in keys}
+    out[f"{prefix}_clients"] = int(scored.sum())
+    if not scored.any():
+        return out
+    acc = correct[scored].sum(axis=1) / sizes[scored]
+    worst = np.sort(acc)[: max(1, math.ceil(worst_share * acc.size))]
+    out.update({f"{prefix}_mean_weighted": float(correct.sum() / total.sum()), f"{prefix}_mean": float(acc.mean()),
+                f"{prefix}_std": float(acc.std()), f"{prefix}_min": float(acc.min()),
+                f"{prefix}_worst10": float(worst.mean())})
+    per_class = np.divide(correct, total, out=np.full_like(correct, np.nan), where=total > 0)
+    for group in ("many", "medium", "few"):
+        values = []
+        for k in np.flatnonzero(scored):
+            members = group_of(np.asarray(train_counts[k]))[group]
+            present = members[total[k, members] > 0]
+            if present.size:
+                values.append(per_class[k, present].mean())
+        out[f"{prefix}_{group}"] = float(np.mean(values)) if values else None
+    return out
 
 
 def evaluate(model: nn.Module, x: Images, y: torch.Tensor, num_classes: int,

@@ -16,6 +16,7 @@ with the component and the name of the property, e.g.
 |---|---|
 | loss term | :func:`check_loss_term` |
 | partitioner | :func:`check_partitioner` |
+| client test set | :func:`check_client_test` |
 | model / splitter | :func:`check_model`, :func:`check_splitter` |
 | classifier head | :func:`check_head` |
 | aggregator | :func:`check_aggregator` |
@@ -31,6 +32,7 @@ with the component and the name of the property, e.g.
 from fedlt.testing.base import ContractError
 from fedlt.testing.losses import check_loss_term
 from fedlt.testing.partitioners import check_partitioner
+from fedlt.testing.client_tests import check_client_test
 from fedlt.testing.models import check_model, check_splitter
 from fedlt.testing.heads import check_head
 from fedlt.testing.aggregators import check_aggregator
@@ -42,6 +44,6 @@ from fedlt.testing.server_steps import check_server_step
 from fedlt.testing.device import check_device
 from fedlt.testing.cohort import check_cohort
 
-__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_model", "check_splitter", "check_head",
+__all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_client_test", "check_model", "check_splitter", "check_head",
            "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel",
            "check_server_step", "check_device", "check_cohort"]
