@@ -144,14 +144,20 @@ def algorithms(device, sizes, tmp: Path) -> dict:
         base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1)
         base["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
         row: dict = {"algorithm": name, "model": base["model"]}
-        for label, where in (("device", str(device)), ("cpu", "cpu")):
-            began = time.perf_counter()
-            final = _run(tmp / f"{name}-{label}", **base, device=where)[0]["final"]
-            row[label] = {"loss": final["loss"], "accuracy": final["accuracy"],
-                          "seconds": round(time.perf_counter() - began, 2)}
-        row["loss_gap"] = abs(row["device"]["loss"] - row["cpu"]["loss"])
+        try:  # one algorithm's failure is its row's, and the others still run
+            for label, where in (("device", str(device)), ("cpu", "cpu")):
+                began = time.perf_counter()
+                final = _run(tmp / f"{name}-{label}", **base, device=where)[0]["final"]
+                row[label] = {"loss": final["loss"], "accuracy": final["accuracy"],
+                              "seconds": round(time.perf_counter() - began, 2)}
+            row["loss_gap"] = abs(row["device"]["loss"] - row["cpu"]["loss"])
+        except Exception as exc:  # noqa: BLE001  (recorded, with its last frames)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            row["where"] = traceback.format_exc().strip().splitlines()[-4:]
         rows.append(row)
-    return {"rows": rows, "largest_loss_gap": max(r["loss_gap"] for r in rows)}
+    gaps = [r["loss_gap"] for r in rows if "loss_gap" in r]
+    return {"rows": rows, "largest_loss_gap": max(gaps, default=None),
+            "failed": [r["algorithm"] for r in rows if "error" in r]}
 
 
 def _pfllib(sizes) -> dict:

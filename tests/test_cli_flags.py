@@ -185,4 +185,6 @@ def test_list_kind_name_shows_parameters_defaults_and_docstring():
     out = shown("algorithms", "fedlc")  # a preset shows its own defaults
     assert "'fedlc(tau=0.5)'" in out and "'fedavg'" in out
     out = shown("losses", "logit_adjust")
-    assert "set by fedlt each round" in out and "1.0" in out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in out.splitlines() if line.count("│") >= 4}
+    assert rows["class_counts"][0] == "supplied" and "set by fedlt" in out and rows["tau"] == ["1.0", "float"], rows

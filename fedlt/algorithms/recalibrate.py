@@ -53,6 +53,17 @@ def collect(step: Any, task: ClientTask, model: nn.Module) -> dict[str, Any]:
                         _collect_generator(task))
 
 
+def on_host(value: Any) -> Any:
+    """``value`` (tensors in dicts, lists and tuples) with every tensor on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_host(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class StepUpdate(ClientUpdate):
     """FedAvg's local update, plus the step's statistics: before training on the received weights
@@ -107,11 +118,12 @@ class StepStrategy(Strategy):
                 for c in participants]
 
     def calibrate(self, results: Sequence[Any]) -> None:
-        """``step.apply`` on the uploads, in client order (the same sum on every engine)."""
-        uploads = [r.extras[KEY] for r in sorted(results, key=lambda r: r.cid)
+        """``step.apply`` on the uploads, in client order (the same sum on every engine), on the
+        host: the step's float64 work and its state are the same whichever device trained."""
+        uploads = [on_host(r.extras[KEY]) for r in sorted(results, key=lambda r: r.cid)
                    if isinstance(r, ClientResult) and KEY in r.extras]
         if uploads:
-            self.set_head(self.step.apply(classifier(self.model), uploads))
+            self.set_head(self.step.apply(copy.deepcopy(classifier(self.model)).cpu(), uploads))
 
     def set_head(self, head: dict[str, torch.Tensor] | None) -> None:
         self.head, self._inference = head, None

@@ -68,7 +68,7 @@ class ServerStep(Protocol):
 
 def head_state(head: nn.Module) -> Head:
     """A detached copy of a linear classifier's weight and bias (a zero bias when it has none)."""
-    bias = head.bias if head.bias is not None else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype)
+    bias = head.bias if head.bias is not None else head.weight.new_zeros(head.weight.shape[0])
     return {"weight": head.weight.detach().clone(), "bias": bias.detach().clone()}
 
 
@@ -93,7 +93,7 @@ def features(model: nn.Module, batches: Batches) -> tuple[torch.Tensor, torch.Te
             model(x)
             xs.append(seen.pop()), ys.append(y)
     if not xs:
-        return torch.zeros(0, head.weight.shape[1]), torch.zeros(0, dtype=torch.long)
+        return head.weight.new_zeros(0, head.weight.shape[1]), torch.zeros(0, dtype=torch.long, device=head.weight.device)
     return torch.cat(xs), torch.cat(ys)
 
 

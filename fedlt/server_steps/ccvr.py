@@ -22,16 +22,17 @@ def class_stats(x: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str,
     as unbiased; only the classes a client holds travel (CIFAR-100 × 512-d: 2 MB a class)."""
     x = x.double()
     counts = torch.bincount(y, minlength=num_classes)
-    means = torch.zeros(num_classes, x.shape[1], dtype=x.dtype)
+    means = x.new_zeros(num_classes, x.shape[1])  # on the features' device: found on a GPU (device_check)
     held = [c for c in range(num_classes) if counts[c] >= 2]
-    covs = torch.zeros(len(held), x.shape[1], x.shape[1], dtype=x.dtype)
+    covs = x.new_zeros(len(held), x.shape[1], x.shape[1])
     for c in range(num_classes):
         if counts[c]:
             means[c] = x[y == c].mean(0)
     for i, c in enumerate(held):
         centred = x[y == c] - means[c]
         covs[i] = centred.T @ centred / (len(centred) - 1)
-    return {"counts": counts, "means": means, "cov_classes": torch.tensor(held, dtype=torch.long), "covs": covs}
+    return {"counts": counts, "means": means, "cov_classes": torch.tensor(held, dtype=torch.long, device=x.device),
+            "covs": covs}
 
 
 def pooled_class_stats(uploads: Sequence[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor,

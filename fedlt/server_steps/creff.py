@@ -34,7 +34,7 @@ def match_distance(g_syn: Sequence[torch.Tensor], g_real: Sequence[torch.Tensor]
 def class_gradients(head: Head, x: torch.Tensor, label: int) -> list[torch.Tensor]:
     """∂CE(x·Wᵀ + b, label)/∂(W, b), batch mean (the gradient the authors' clients upload)."""
     w, b = (head["weight"].detach().clone().requires_grad_(True), head["bias"].detach().clone().requires_grad_(True))
-    loss = F.cross_entropy(F.linear(x.to(w.dtype), w, b), torch.full((len(x),), label, dtype=torch.long))
+    loss = F.cross_entropy(F.linear(x.to(w.dtype), w, b), torch.full((len(x),), label, dtype=torch.long, device=x.device))
     return [g.detach() for g in torch.autograd.grad(loss, [w, b])]
 
 
@@ -51,7 +51,7 @@ def update_features(feats: torch.Tensor, head: Head, real: dict[int, list[torch.
         loss = feats.new_zeros(())
         for c in sorted(real):
             rows = feats[c * per_class:(c + 1) * per_class]
-            ce = F.cross_entropy(F.linear(rows, w, b), torch.full((per_class,), c, dtype=torch.long))
+            ce = F.cross_entropy(F.linear(rows, w, b), torch.full((per_class,), c, dtype=torch.long, device=feats.device))
             g_syn = torch.autograd.grad(ce, [w, b], create_graph=True)
             loss = loss + match_distance(g_syn, [g.to(feats.dtype) for g in real[c]])
         optimiser.zero_grad()
@@ -128,10 +128,10 @@ class CReFFStep:
     def collect(self, model: nn.Module, batches: Batches, payload: dict[str, Any], num_classes: int,
                 generator: torch.Generator | None = None) -> dict[str, Any]:
         x, y = features(model, batches)
-        head = payload["head"]
+        head = {k: v.to(x.device) for k, v in payload["head"].items()}  # the server keeps it on the host
         classes = sorted(set(y.tolist()))
-        gw = torch.zeros(len(classes), *head["weight"].shape, dtype=head["weight"].dtype)
-        gb = torch.zeros(len(classes), *head["bias"].shape, dtype=head["bias"].dtype)
+        gw = head["weight"].new_zeros(len(classes), *head["weight"].shape)  # on the client's device
+        gb = head["bias"].new_zeros(len(classes), *head["bias"].shape)
         for _ in range(self.repeats):
             for i, c in enumerate(classes):
                 own = x[y == c]

@@ -251,15 +251,17 @@ def _sgb(z_ptr, y_ptr, wpos_ptr, wneg_ptr, g_ptr, row_ptr, pos_ptr, neg_ptr, B, 
         ok = row_ok[:, None] & col_ok[None, :]
         own = y[:, None] == cols[None, :]
         z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        # ``prob``, not ``s``: the softmax pass above carries ``s`` (B,) through its loop, and a
+        # compiled Triton loop may not re-type a carried name (B×C here); the interpreter allows it
         if SOFTMAX:
-            s = tl.exp(z - lse[:, None])
+            prob = tl.exp(z - lse[:, None])
         else:
-            s = 1.0 / (1.0 + tl.exp(-z))
+            prob = 1.0 / (1.0 + tl.exp(-z))
             sp = tl.maximum(z, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(z)))
             softplus += tl.sum(tl.where(ok, sp, 0.0), 1)
         wpos = tl.load(wpos_ptr + cols, mask=col_ok, other=0.0)
         wneg = tl.load(wneg_ptr + cols, mask=col_ok, other=0.0)
-        g = tl.where(own, (s - 1.0) * wpos[None, :], s * wneg[None, :])
+        g = tl.where(own, (prob - 1.0) * wpos[None, :], prob * wneg[None, :])
         g = tl.where(ok, g, 0.0)
         tl.store(g_ptr + rows[:, None] * C + cols[None, :], g, mask=ok)
         tl.store(pos_ptr + pid * C + cols, tl.sum(tl.where(own, tl.abs(g), 0.0), 0), mask=col_ok)
