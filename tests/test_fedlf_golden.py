@@ -41,7 +41,7 @@ class Net(nn.Module):
 class InOrder(LocalSchedule):
     """Their DataLoader with shuffling off: the batches in data order, each epoch."""
 
-    def batches(self, n, generator):
+    def batches(self, n, generator, device=None):
         for _ in range(self.epochs):
             yield from torch.arange(n).split(self.batch)
 

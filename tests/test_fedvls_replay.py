@@ -238,7 +238,7 @@ def test_run_fedlt_trains_on_the_export_and_authors_norm_is_their_transform(expo
     real_run, seen = fedlt.engine.run, {}
 
     def run_and_keep(config, **kwargs):  # the local engine calls run again, with its runner
-        seen.setdefault("data", fedlt.engine.load_data(config))  # what run_fedlt made the engine load
+        seen.setdefault("data", fedlt.run.parts.load_data(config))  # what run_fedlt made the run load
         return real_run(config, **kwargs)
 
     monkeypatch.setattr(fedlt.engine, "run", run_and_keep)

@@ -4,13 +4,16 @@ round on a small fake CIFAR tree written in torchvision's on-disk format (no net
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import fake_dataset_files
+from fedlt.algorithms.protocol import ClientStates
 from fedlt.config import RunConfig
-from fedlt.engine import run
+from fedlt.engine import client_data, load_data, prepare, run, train_round
 from fedlt.sweep.study import expand, load_study
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -45,24 +48,36 @@ def _published(name: str) -> dict:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_cell_of_the_published_protocols_expands_and_starts(name, cifar_root, tmp_path, monkeypatch):
+    """Every cell is a valid RunConfig with the published settings; every algorithm of the study
+    trains one round with the study's model, partition, augmentation and its own parameters (sizes
+    patched down), on the study's data loaded once: the cells of one algorithm differ only in their
+    seed. The whole run path (directory, evaluation, summary) runs for the study's first cell."""
     import torchvision.datasets.cifar
 
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
     study, _ = load_study(STUDIES / f"{name}.yaml")
     entries = expand(study, tmp_path / "study")
     assert len(entries) == len(study.seeds) * len(study.axes.get("partition", [None])) * len(study.axes["algorithm"])
-    started: set = set()
+    data, started = None, set()
     for entry in entries:
         config = RunConfig.model_validate(entry.config)
         for key, value in _published(name).items():
             assert getattr(config, key) == value, (entry.id, key)
         assert config.dataset == ("cifar100" if "cifar100" in name else "cifar10")
-        params = dict(config.algorithm_params)
-        params.update(SMALL_STEPS.get(config.algorithm, {}))  # a server step's or a head's own sizes, patched down too
-        if (config.algorithm, repr(config.partition)) in started:
-            continue  # the cells of one algorithm differ only in their seed: start one of them
-        started.add((config.algorithm, repr(config.partition)))
-        tiny = config.model_copy(update=dict(TINY, data_root=cifar_root, algorithm_params=params,
-                                             out=tmp_path / "runs" / entry.id))
-        summary = run(RunConfig.model_validate(tiny.model_dump()))
-        assert summary["rounds"] == 1 and 0 <= summary["final"]["accuracy"] <= 1, entry.id
+        key = (config.algorithm, repr(config.partition))
+        if key in started:
+            continue
+        started.add(key)
+        params = {**config.algorithm_params, **SMALL_STEPS.get(config.algorithm, {})}  # a step's or head's sizes
+        tiny = RunConfig.model_validate(config.model_copy(update=dict(
+            TINY, data_root=cifar_root, algorithm_params=params, out=tmp_path / "runs" / entry.id)).model_dump())
+        if data is None:  # the first cell runs whole, as `fedlt sweep` would start it
+            summary = run(tiny)
+            assert summary["rounds"] == 1 and 0 <= summary["final"]["accuracy"] <= 1, entry.id
+            data = load_data(tiny)
+            continue
+        prep = prepare(tiny, data=data)
+        participants = [client_data(prep, cid, torch.device("cpu")) for cid in range(2)]
+        metrics = train_round(prep.algorithm, prep.ctx, 1, participants, ClientStates())
+        assert math.isfinite(metrics["train_loss"]), entry.id
+    assert {a for a, _ in started} == set(study.axes["algorithm"])

@@ -65,6 +65,9 @@ def cohort_reason(algorithm: Any, model: nn.Module) -> str | None:
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
                     "or a two-pass step that the batched forward does not carry)")
+    for hook in ("__call__", "upload"):  # work around the loop (CCVR's statistics) or what is sent (FedDC's θ+h)
+        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
+            return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             return f"the model has {type(m).__name__} (running statistics updated in place per client)"

@@ -288,7 +288,7 @@ class FedNHUpdate(ClientUpdate):
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         features, labels = [], []
         with torch.no_grad(), eval_mode(model), features_of(model) as seen:
-            for x, y in task.data.batches(torch.arange(len(task.data)).split(self.batch)):
+            for x, y in task.data.batches(torch.arange(len(task.data), device=task.data.index_device).split(self.batch)):
                 model(x)
                 labels.append(y)
             features = torch.cat(seen)

@@ -28,6 +28,7 @@ from fedlt.algorithms.base import ClientData, RunContext, as_spec, build_aggrega
 from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask
 from fedlt.context import RoundContext
+from fedlt.datasets.source import to_device
 from fedlt.models import classifier
 
 StepSpec = spec_of(fedlt.server_steps.REGISTRY, "server step")
@@ -48,7 +49,7 @@ def _collect_generator(task: ClientTask) -> torch.Generator:
 
 def collect(step: Any, task: ClientTask, model: nn.Module) -> dict[str, Any]:
     """``step.collect`` on the client's whole local set, with the weights ``model`` holds."""
-    index = torch.arange(len(task.data)).split(COLLECT_BATCH)
+    index = torch.arange(len(task.data), device=task.data.index_device).split(COLLECT_BATCH)
     return step.collect(model, task.data.batches(index), task.payload[KEY], task.context.num_classes,
                         _collect_generator(task))
 
@@ -62,6 +63,17 @@ def on_host(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(on_host(v) for v in value)
     return value
+
+
+def host_copy(head: nn.Linear) -> nn.Linear:
+    """A linear classifier with ``head``'s weights, on the CPU (built, not deep-copied: a module on
+    a device is copied tensor by tensor)."""
+    out = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, dtype=head.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(head.weight.detach().cpu())
+        if head.bias is not None:
+            out.bias.copy_(head.bias.detach().cpu())
+    return out
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,7 @@ class StepStrategy(Strategy):
         uploads = [on_host(r.extras[KEY]) for r in sorted(results, key=lambda r: r.cid)
                    if isinstance(r, ClientResult) and KEY in r.extras]
         if uploads:
-            self.set_head(self.step.apply(copy.deepcopy(classifier(self.model)).cpu(), uploads))
+            self.set_head(self.step.apply(host_copy(classifier(self.model)), uploads))
 
     def set_head(self, head: dict[str, torch.Tensor] | None) -> None:
         self.head, self._inference = head, None
@@ -136,9 +148,9 @@ class StepStrategy(Strategy):
             self._inference = copy.deepcopy(self.model)
             out = classifier(self._inference)
             with torch.no_grad():
-                out.weight.copy_(self.head["weight"])
+                out.weight.copy_(to_device(self.head["weight"], out.weight.device))  # the step's head is on the host
                 if out.bias is not None:
-                    out.bias.copy_(self.head["bias"])
+                    out.bias.copy_(to_device(self.head["bias"], out.bias.device))
         return self._inference
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedlt.datasets.source import to_device
 from fedlt.server_steps import (Batches, Head, _positive, _positive_int, features, head_state, register,
                                 retrain_classifier)
 
@@ -31,7 +32,7 @@ def class_stats(x: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str,
     for i, c in enumerate(held):
         centred = x[y == c] - means[c]
         covs[i] = centred.T @ centred / (len(centred) - 1)
-    return {"counts": counts, "means": means, "cov_classes": torch.tensor(held, dtype=torch.long, device=x.device),
+    return {"counts": counts, "means": means, "cov_classes": to_device(torch.tensor(held, dtype=torch.long), x.device),
             "covs": covs}
 
 

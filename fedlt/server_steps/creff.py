@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlt.datasets.source import to_device
 from fedlt.server_steps import (Batches, Head, _positive, _positive_int, features, register,
                                 retrain_classifier)
 
@@ -129,13 +130,14 @@ class CReFFStep:
                 generator: torch.Generator | None = None) -> dict[str, Any]:
         x, y = features(model, batches)
         head = {k: v.to(x.device) for k, v in payload["head"].items()}  # the server keeps it on the host
-        classes = sorted(set(y.tolist()))
+        classes = torch.unique(y).cpu().tolist()  # one host read per client (sorted)
         gw = head["weight"].new_zeros(len(classes), *head["weight"].shape)  # on the client's device
         gb = head["bias"].new_zeros(len(classes), *head["bias"].shape)
         for _ in range(self.repeats):
             for i, c in enumerate(classes):
                 own = x[y == c]
-                g = class_gradients(head, own[torch.randperm(len(own), generator=generator)[:self.batch_real]], c)
+                pick = to_device(torch.randperm(len(own), generator=generator)[:self.batch_real], own.device)
+                g = class_gradients(head, own[pick], c)
                 gw[i] += g[0] / self.repeats
                 gb[i] += g[1] / self.repeats
         return {"classes": torch.tensor(classes, dtype=torch.long), "grad_weight": gw, "grad_bias": gb}

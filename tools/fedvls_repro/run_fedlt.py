@@ -90,10 +90,10 @@ def main() -> None:
     if args.drop_last:
         from fedlt.algorithms.base import LocalSchedule
 
-        def batches(self, n, generator):
+        def batches(self, n, generator, device=None):
             for _ in range(self.epochs):
                 perm = torch.randperm(n, generator=generator)
-                yield from perm[: n - n % self.batch].split(self.batch)
+                yield from perm[: n - n % self.batch].to(device or "cpu").split(self.batch)
 
         LocalSchedule.batches = batches
     train_acc: list[float] = []
