@@ -21,6 +21,7 @@ import torch
 import fedlt.cli
 import fedlt.datasets
 import fedlt.engine
+import fedlt.run.parts
 from fedlt.datasets import imagefolder as imagefolder_module
 from fedlt.datasets.base import MAX_CLASSES
 from fedlt.errors import FedltError
@@ -336,19 +337,19 @@ def test_a_killed_loader_process_is_named_and_the_run_resumes_exactly(root, tmp_
             "--rounds", "3", "--local-iters", "1", "--batch-size", "4", "--loader-workers", "2", "--quiet"]
     fedlt.cli.main([*argv, "--out", str(tmp_path / "whole")])
     killed = []
-    real = fedlt.engine.train_round
+    real = fedlt.run.parts.train_round  # what the round loop calls
 
     def round_then_kill(algorithm, ctx, round_index, *args, **kwargs):
         if round_index == 2 and not killed:  # round 1 started the loaders
             killed.append(kill_a_loader_worker(root))
         return real(algorithm, ctx, round_index, *args, **kwargs)
 
-    fedlt.engine.train_round = round_then_kill
+    fedlt.run.parts.train_round = round_then_kill
     try:
         with pytest.raises(SystemExit) as info:
             fedlt.cli.main([*argv, "--out", str(tmp_path / "cut")])
     finally:
-        fedlt.engine.train_round = real
+        fedlt.run.parts.train_round = real
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"--loader-workers process decoding the images died (pid {killed[0]}, killed by SIGKILL)" in err, err

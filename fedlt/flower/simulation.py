@@ -55,6 +55,7 @@ class Job:
 
 def run(config: RunConfig, *, resume: bool = False, on_round: Callable[[int, dict[str, Any]], None] | None = None,
         on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Flower's simulation runtime: one SuperNode per client, the round loop in the ServerApp (docs/flower.md)."""
     return simulate([Job(config, resume, on_round, on_start)])[0]["summary"]
 
 

@@ -120,8 +120,7 @@ def sweep(study: Study, out: Path, *, executor: str = "local", executor_params: 
     engine = executors.create(executor, executor_params or {})
     tracking = tuple(track.spec_for(name, out, tracking_uri) for name in track_with)  # checked: nothing made yet
     with claim_study(out) as created:
-        prepare_tracking(tracking, created)
-        return _sweep_claimed(study, out, engine, extend, threads or engine.threads_per_run(), tracking,
+        return _sweep_claimed(study, out, engine, extend, threads or engine.threads_per_run(), tracking, created,
                               on_plan, on_event)
 
 
@@ -138,10 +137,12 @@ def prepare_tracking(tracking: tuple[dict[str, Any], ...], created: list[Path]) 
 
 
 def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: int,
-                   tracking: tuple[dict[str, Any], ...], on_plan: Callable[[dict[str, Any], list[Job]], None] | None,
+                   tracking: tuple[dict[str, Any], ...], created: list[Path],
+                   on_plan: Callable[[dict[str, Any], list[Job]], None] | None,
                    on_event: Callable[[str, str, Outcome | None], None] | None) -> SweepResult:
     """``sweep`` once ``out`` is held: planned again (another sweep may have run meanwhile), then run."""
     manifest = plan(study, out, extend=extend)
+    prepare_tracking(tracking, created)  # after the plan: a tracker's store may live inside the study
     jobs, done = jobs_of(study, out, manifest, threads, tracking)
     runs = {r["id"]: r for r in manifest["runs"]}
     for job in jobs:
