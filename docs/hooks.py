@@ -19,7 +19,7 @@ from mkdocs.structure.files import File  # noqa: E402
 # Titles and introductions of the kinds known today; a kind without one still gets a page.
 KIND_TITLES = {"algorithms": "Algorithms", "partitioners": "Partitioners", "losses": "Loss terms",
                "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets",
-               "augmentations": "Augmentations", "heads": "Classifier heads"}
+               "augmentations": "Augmentations", "heads": "Classifier heads", "client_tests": "Client test sets"}
 KIND_INTRO = {
     "algorithms": "Registered compositions of the library's parts (`--algo`). Parameters go in "
                   "`algorithm_params` (or `--loss`, `--client-loss`, `--server-loss`, `--aggregator`); the "
@@ -39,6 +39,9 @@ KIND_INTRO = {
     "heads": "Classifier heads that replace a model's linear classifier (an algorithm's `head` parameter, e.g. "
              "FedETF's fixed simplex ETF, FedNH's class prototypes, FedLoGe's SSE-C); the representation size and the classes come "
              "from the model (see [Algorithms](../algorithms.md#long-tail-methods-after-fed-grab-issue-33)).",
+    "client_tests": "Each client's own test set for personalised numbers (SPEC §7): `matched` draws held-out test "
+                    "samples following the client's training labels (FedRoD, FedBABU), `holdout` carves them out of "
+                    "its own data (PFLlib, FL-bench). The per-client summary: `fedlt.metrics.per_client_summary`.",
     "datasets": "Datasets (`--dataset`, a name or a spec such as `imagefolder(image_size=96)`); MNIST ships inside "
                 "the package, the torchvision sets are read from `--data-root`, `arrays` reads your own NumPy files "
                 "and `imagefolder` streams image files from disk (see [Datasets](../datasets.md)).",

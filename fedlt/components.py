@@ -22,6 +22,7 @@ def registries() -> dict[str, Registry]:
     """Every kind's registry, by the plural name the CLI and the docs use."""
     import fedlt.aggregators
     import fedlt.algorithms
+    import fedlt.client_tests
     import fedlt.augment
     import fedlt.availability
     import fedlt.datasets
@@ -41,7 +42,7 @@ def registries() -> dict[str, Registry]:
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
             "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
             "augmentations": fedlt.augment.REGISTRY, "heads": fedlt.models.heads.REGISTRY,
-            "server_steps": fedlt.server_steps.REGISTRY}
+            "server_steps": fedlt.server_steps.REGISTRY, "client_tests": fedlt.client_tests.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:
