@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from fedlt.datasets.source import CHUNK, Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
+from fedlt.spec import format_spec, parse_spec
 
 REGISTRY: Registry = Registry("augmentation", product=lambda obj: None if callable(getattr(obj, "eval", None)) else
                               f"{type(obj).__name__} lacks eval(x) (see fedlt.augment.Transform)")
@@ -292,8 +293,6 @@ def split_plus(text: str) -> list[str]:
 def parse_augment(text: str, what: str = "--augment") -> list[dict[str, Any]]:
     """``"random_crop(padding=4) + hflip"`` -> ``[{"name": "random_crop", "padding": 4}, {"name": "hflip"}]``;
     ``""`` or ``"none"`` -> ``[]``."""
-    from fedlt.spec import parse_spec
-
     if not text.strip() or text.strip().lower() in ("none", "null"):
         return []
     items = split_plus(text)
@@ -303,8 +302,6 @@ def parse_augment(text: str, what: str = "--augment") -> list[dict[str, Any]]:
 
 
 def format_augment(specs: list[dict[str, Any]]) -> str:
-    from fedlt.spec import format_spec
-
     return " + ".join(format_spec(s) for s in specs) or "none"
 
 

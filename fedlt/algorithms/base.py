@@ -17,6 +17,7 @@ from fedlt.context import ModelSpec, RoundContext
 from fedlt.datasets.source import Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
+from fedlt.spec import parse_spec
 
 
 def _valid_loss(expr: str) -> str:
@@ -31,8 +32,6 @@ def as_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
     """A component spec as ``{"name": ..., **params}``: a dict, a bare name, or a spec string
     such as ``grouped(size=2)`` (parsed, never evaluated: fedlt.spec)."""
     if isinstance(spec, str):
-        from fedlt.spec import parse_spec
-
         return parse_spec(spec) if "(" in spec else {"name": spec}
     return dict(spec)
 

@@ -36,7 +36,7 @@ from fedlt.algorithms.split_client import client_objective
 from fedlt.algorithms.split_server import ServerSide
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
-from fedlt.models import split
+from fedlt.models import classifier, split
 
 
 SessionSpec = spec_of(split_client.REGISTRY, "client session")
@@ -204,8 +204,6 @@ class SplitLearning(BaseModel):
 
 def classifier_of(model: nn.Module) -> torch.Tensor | None:
     """The model's classifier weight (a copy), or None for a model without ``get_classifier``."""
-    from fedlt.models import classifier
-
     try:
         return classifier(model).weight.detach().clone()
     except FedltError:
