@@ -63,7 +63,7 @@ class ClientUpdate:
                                     [task.weights[n] for n in names], task.state.get("loss"))
         params = [p for p in model.parameters() if p.requires_grad]
         optimiser = task.schedule.optimiser(params)
-        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        generator = self.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
@@ -89,6 +89,10 @@ class ClientUpdate:
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
         weights = self.upload(local, task, model, own)
         return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
+
+    def generator(self, task: ClientTask) -> torch.Generator:
+        """The minibatch-order stream: the client's round stream; a fine-tune draws from its own."""
+        return client_generator(task.context.sampling_seed, task.round_index, task.cid)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return None
