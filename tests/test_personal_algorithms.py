@@ -1,0 +1,350 @@
+"""The personalised algorithms (issue 32), each against an independent float64 re-implementation
+of its update rule (two rounds, partial participation: client 1 carries its own part into round 2,
+client 2 joins late), a mutant of the implementation that the reference rejects, and the personal
+model each one builds: different from the global model where the method says so, equal where it
+says so."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fedlt.algorithms
+from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext, client_generator
+from fedlt.algorithms.personal import EvalTask, stream_seed
+from fedlt.algorithms.pfl import (PERSONAL, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg, Local,
+                                  PartsUpdate, RepUpdate, RoDUpdate)
+from fedlt.algorithms.stateful import features_of
+from fedlt.models import classifier
+from fedlt.algorithms.protocol import ClientStates
+from fedlt.engine import train_round
+from fedlt.models.alexnet import MLP
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+C, D, H = 3, 4, 5  # classes, input features, hidden units of the tiny MLP
+LR, EPOCHS, BATCH = 0.1, 2, 4
+ROUNDS = [[0, 1], [1, 2]]
+SIZES = [8, 12, 6]
+BODY, HEAD = ["1.weight", "1.bias"], ["3.weight", "3.bias"]
+NAMES = BODY + HEAD
+
+
+def tiny_clients() -> list[ClientData]:
+    g = torch.Generator().manual_seed(1)
+    clients = []
+    for cid, n in enumerate(SIZES):
+        x = torch.randn(n, D, generator=g, dtype=torch.float64)
+        y = torch.randint(0, C, (n,), generator=g)
+        clients.append(ClientData(cid, x, y, torch.bincount(y, minlength=C)))
+    return clients
+
+
+def initial() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return MLP(D, C, hidden=(H,)).double().state_dict()
+
+
+def context() -> RunContext:
+    init = initial()
+
+    def build():
+        model = MLP(D, C, hidden=(H,)).double()
+        model.load_state_dict(init)
+        return model
+
+    return RunContext(num_classes=C, input_shape=(1, 1, D), build_model=build, split=None, server_batch=10,
+                      local_iters=3, local_epochs=EPOCHS, batch_size=BATCH, lr=LR, momentum=0.0,
+                      weight_decay=0.0, clip=None, sampling_seed=0, device=torch.device("cpu"), num_clients=len(SIZES))
+
+
+def library(algorithm, rounds=ROUNDS):
+    """Two rounds of ``algorithm`` (a registered name or an instance) as the engine runs them."""
+    algorithm = fedlt.algorithms.create(algorithm) if isinstance(algorithm, str) else algorithm
+    ctx, clients, states = context(), tiny_clients(), ClientStates()
+    algorithm.setup(ctx)
+    for r, part in enumerate(rounds):
+        train_round(algorithm, ctx, r, [clients[i] for i in part], states)
+    return {k: v.clone() for k, v in algorithm.global_model().state_dict().items()}, algorithm, states
+
+
+# -- the independent reference: a hand-written MLP and plain SGD ---------------------------------
+def features(w, x):
+    return torch.relu(x @ w["1.weight"].T + w["1.bias"])
+
+
+def linear(w, prefix, h):
+    return h @ w[f"{prefix}weight"].T + w[f"{prefix}bias"]
+
+
+def cross_entropy(z, y, offset=None):
+    z = z if offset is None else z + offset
+    return sum(torch.logsumexp(z[i], 0) - z[i, y[i]] for i in range(len(y))) / len(y)
+
+
+def ce_loss(w, x, y):
+    return cross_entropy(linear(w, "3.", features(w, x)), y)
+
+
+def round_batches(r, cid, epochs=EPOCHS):
+    """The client's minibatch order (data plumbing shared with the library, not the math)."""
+    return list(LocalSchedule(BATCH, epochs=epochs).batches(SIZES[cid], client_generator(0, r, cid)))
+
+
+def stream_batches(r, cid, purpose, epochs):
+    g = torch.Generator().manual_seed(stream_seed(0, r, cid, purpose) % (2**63))
+    return list(LocalSchedule(BATCH, epochs=epochs).batches(SIZES[cid], g))
+
+
+def copy(w):
+    return {k: v.detach().clone() for k, v in w.items()}
+
+
+def sgd(w, data, order, loss_fn, trainable, extra=lambda w: {}):
+    """Plain SGD over the minibatches ``order`` on the ``trainable`` keys of w, with extra(w)[k]
+    added to a key's gradient."""
+    w = copy(w)
+    for idx in order:
+        x, y = data.x[idx], data.y[idx]
+        leaves = {k: v.clone().requires_grad_(k in trainable) for k, v in w.items()}
+        grads = dict(zip(trainable, torch.autograd.grad(loss_fn(leaves, x, y), [leaves[k] for k in trainable])))
+        add = extra(w)
+        for k in trainable:
+            w[k] = w[k] - LR * (grads[k] + add.get(k, 0.0))
+    return w
+
+
+def weighted(ws, sizes, keys):
+    total = sum(sizes)
+    return {k: sum(n / total * w[k] for w, n in zip(ws, sizes)) for k in keys}
+
+
+def close(a, b, keys=None):
+    return max(float((a[k] - b[k]).abs().max()) for k in (keys or b))
+
+
+def reference_parts(keep, shared, train=lambda w, data, r: None):
+    """The shared shape of local / FedPer / FedRep / FedBABU / LG-FedAvg: start from the global
+    model with the client's own ``keep`` keys, train (``train``), keep ``keep``, average ``shared``."""
+    clients, x, own = tiny_clients(), initial(), {}
+    for r, part in enumerate(ROUNDS):
+        trained = []
+        for k in part:
+            start = x | own.get(k, {})
+            w = train(start, clients[k], r)
+            own[k] = {n: w[n] for n in keep}
+            trained.append(w)
+        if shared:
+            x = x | weighted(trained, [SIZES[k] for k in part], shared)
+    return x, own
+
+
+def all_sgd(w, data, r):
+    return sgd(w, data, round_batches(r, data.cid), ce_loss, NAMES)
+
+
+def reference_fedrep(head_epochs):
+    def train(w, data, r):
+        w = sgd(w, data, stream_batches(r, data.cid, "fedrep-head", head_epochs), ce_loss, HEAD)
+        return sgd(w, data, round_batches(r, data.cid), ce_loss, BODY)
+    return reference_parts(HEAD, BODY, train)
+
+
+def reference_fedbabu():
+    return reference_parts([], BODY, lambda w, data, r: sgd(w, data, round_batches(r, data.cid), ce_loss, BODY))
+
+
+# -- FedRoD: the generic side on balanced softmax, the personal head on detached inputs -------------
+RO_BODY, GENERIC, PHEAD = BODY, ["3.generic.weight", "3.generic.bias"], ["3.personal.weight", "3.personal.bias"]
+
+
+def rod_initial():
+    w = initial()
+    return {"1.weight": w["1.weight"], "1.bias": w["1.bias"], "3.generic.weight": w["3.weight"],
+            "3.generic.bias": w["3.bias"], "3.personal.weight": w["3.weight"], "3.personal.bias": w["3.bias"]}
+
+
+def reference_fedrod(detach=True):
+    clients, x, own = tiny_clients(), rod_initial(), {}
+    for r, part in enumerate(ROUNDS):
+        trained = []
+        for k in part:
+            data = clients[k]
+            offset = torch.log(data.class_counts.double())  # every class present: balanced softmax = CE(z + log n)
+            w = x | own.get(k, {})
+            for idx in round_batches(r, k):
+                xb, yb = data.x[idx], data.y[idx]
+                leaves = {n: v.clone().requires_grad_(True) for n, v in w.items()}
+                h = features(leaves, xb)
+                z = linear(leaves, "3.generic.", h)
+                generic = cross_entropy(z, yb, offset)
+                hp, zp = (h.detach(), z.detach()) if detach else (h, z)
+                personal = cross_entropy(zp + linear(leaves, "3.personal.", hp), yb)
+                names = list(w)
+                grads = dict(zip(names, torch.autograd.grad(generic + personal, [leaves[n] for n in names],
+                                                            allow_unused=True)))
+                w = {n: w[n] - LR * (grads[n] if grads[n] is not None else 0.0) for n in names}
+            own[k] = {n: w[n] for n in PHEAD}
+            trained.append(w)
+        x = x | weighted(trained, [SIZES[k] for k in part], RO_BODY + GENERIC)
+    return x, own
+
+
+def reference_ditto(lam):
+    clients, x, init, own = tiny_clients(), initial(), initial(), {}
+    for r, part in enumerate(ROUNDS):
+        trained = []
+        for k in part:
+            order = round_batches(r, k)
+            trained.append(sgd(x, clients[k], order, ce_loss, NAMES))
+            received = copy(x)
+            own[k] = sgd(own.get(k, init), clients[k], order, ce_loss, NAMES,
+                         extra=lambda v: {n: lam * (v[n] - received[n]) for n in NAMES})
+        x = weighted(trained, [SIZES[k] for k in part], NAMES)
+    return x, own
+
+
+# -- against the references ----------------------------------------------------------------------
+def own_part(states, cid):
+    return states.get(cid).get(PERSONAL, {})
+
+
+def check_parts(got, states, ref_x, ref_own, tol=1e-9):
+    assert close(got, ref_x) < tol
+    for cid, part in ref_own.items():
+        if part:
+            assert close(own_part(states, cid), part) < tol
+
+
+CASES = {  # name: (reference, the parts the client keeps)
+    "local": (lambda: reference_parts(NAMES, [], all_sgd), NAMES),
+    "fedper": (lambda: reference_parts(HEAD, BODY, all_sgd), HEAD),
+    "lg_fedavg": (lambda: reference_parts(BODY, HEAD, all_sgd), BODY),
+    "fedrep": (lambda: reference_fedrep(1), HEAD),
+    "fedbabu": (reference_fedbabu, []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_partial_sharing_methods_match_their_reference(name):
+    reference, keep = CASES[name]
+    ref_x, ref_own = reference()
+    got, _, states = library(name)
+    check_parts(got, states, ref_x, ref_own)
+    assert set(states) == ({0, 1, 2} if keep else set())  # own parts only where the method keeps one
+    if name != "local":
+        assert close(got, initial(), BODY if name != "lg_fedavg" else HEAD) > 1e-3  # the shared part moved
+
+
+def test_local_never_changes_the_server_model():
+    got, _, states = library("local")
+    assert close(got, initial()) == 0.0
+    assert close(own_part(states, 1), initial()) > 1e-3
+
+
+def test_fedrep_head_epochs_is_its_own_phase():
+    ref_x, ref_own = reference_fedrep(3)
+    got, _, states = library(FedRep(head_epochs=3))
+    check_parts(got, states, ref_x, ref_own)
+
+
+def test_fedrod_matches_its_reference():
+    ref_x, ref_own = reference_fedrod()
+    got, _, states = library("fedrod")
+    check_parts(got, states, ref_x, ref_own)
+    assert close(got, rod_initial(), PHEAD) == 0.0  # the server's personal head is never aggregated
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.0])
+def test_ditto_matches_its_reference(lam):
+    ref_x, ref_own = reference_ditto(lam)
+    got, _, states = library(Ditto(lam=lam))
+    check_parts(got, states, ref_x, ref_own)
+    fedavg, _, _ = library("fedavg")
+    assert close(got, fedavg) < 1e-12  # the global model is FedAvg's exactly
+
+
+# -- mutants the references reject -----------------------------------------------------------------
+class HeadAggregated(FedPer):
+    shared = "all"  # the head averaged too: FedAvg, not FedPer
+
+
+class BodyKept(LGFedAvg):
+    shared = "body"  # the wrong part shared
+
+
+class HeadTrained(FedBABU):
+    freeze = "none"  # the head not frozen
+
+
+class LocalSends(Local):
+    shared = "all"  # federated after all
+
+
+@dataclasses.dataclass(frozen=True)
+class SwappedRep(RepUpdate):
+    def __call__(self, task, model=None):  # the frozen parts swapped: the body first, then the head
+        schedule = dataclasses.replace(task.schedule, epochs=self.head_epochs, iters=None)
+        body = PartsUpdate(keep="head", freeze="head", shared="body", stream="fedrep-head")
+        first = body(dataclasses.replace(task, schedule=schedule), model)
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+        head = PartsUpdate(keep="head", freeze="body", shared="body")
+        return head(dataclasses.replace(task, weights=trained, state=first.state), model)
+
+
+class RepSwapped(FedRep):
+    def client_fn(self):
+        return SwappedRep(self.keep, self.freeze, self.shared, head_epochs=self.head_epochs)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttachedRoD(RoDUpdate):
+    def parts(self, local, model, objective, x, y, extra):  # the personal head's gradient reaches the body
+        with features_of(model) as seen:
+            z = model(x)
+        personal = classifier(model).personal(seen[0])
+        return {"objective": objective(z, y, **extra), "personal": F.cross_entropy(z + personal, y)}
+
+
+class RoDAttached(FedRoD):
+    def client_fn(self):
+        return AttachedRoD(self.keep, self.freeze, self.shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class AwayFromGlobal(DittoUpdate):
+    def __call__(self, task, model=None):  # λ's sign flipped: pushed away from w
+        return DittoUpdate.__call__(dataclasses.replace(self, lam=-self.lam), task, model)
+
+
+class DittoWrongSign(Ditto):
+    def client_fn(self):
+        return AwayFromGlobal(self.lam)
+
+
+MUTANTS = {
+    "fedper, head aggregated": (HeadAggregated, lambda: reference_parts(HEAD, BODY, all_sgd)),
+    "lg_fedavg, body shared": (BodyKept, lambda: reference_parts(BODY, HEAD, all_sgd)),
+    "fedbabu, head trained": (HeadTrained, reference_fedbabu),
+    "local, model sent": (LocalSends, lambda: reference_parts(NAMES, [], all_sgd)),
+    "fedrep, frozen parts swapped": (RepSwapped, lambda: reference_fedrep(1)),
+    "fedrod, personal head not detached": (RoDAttached, lambda: reference_fedrod()),
+    "ditto, wrong sign of lambda": (DittoWrongSign, lambda: reference_ditto(1.0)),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_the_reference_rejects_a_mutant(mutant):
+    cls, reference = MUTANTS[mutant]
+    ref_x, ref_own = reference()
+    got, _, states = library(cls())
+    gaps = [close(got, ref_x)] + [close(own_part(states, c), p) for c, p in ref_own.items() if p and own_part(states, c)]
+    assert max(gaps) > 1e-4
+
+
+def test_the_fedrod_reference_itself_sees_the_detach():
+    (a, _), (b, _) = reference_fedrod(True), reference_fedrod(False)
+    assert close(a, b) > 1e-4
