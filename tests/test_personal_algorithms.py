@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fedlt.algorithms
+import fedlt.errors
 from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext, client_generator
 from fedlt.algorithms.personal import EvalTask, stream_seed
 from fedlt.algorithms.pfl import (PERSONAL, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg, Local,
@@ -348,3 +349,101 @@ def test_the_reference_rejects_a_mutant(mutant):
 def test_the_fedrod_reference_itself_sees_the_detach():
     (a, _), (b, _) = reference_fedrod(True), reference_fedrod(False)
     assert close(a, b) > 1e-4
+
+
+# -- the personal models -------------------------------------------------------------------------------
+FT_EPOCHS = 2
+
+
+def eval_task(algorithm, states, cid, round_index=1):
+    ctx = context()
+    clients = tiny_clients()
+    test = tiny_clients()[(cid + 1) % 3]  # any labelled data will do as a test set here
+    weights = {k: v.clone() for k, v in algorithm.global_model().state_dict().items()}
+    return EvalTask(cid, ctx.round(round_index, clients), weights, states.get(cid), "personal", data=clients[cid],
+                    test=dataclasses.replace(test, cid=cid), schedule=ctx.schedule(BATCH), objective="ce")
+
+
+def outputs(model, cid):
+    with torch.no_grad():
+        return model(tiny_clients()[cid].x)
+
+
+def reference_logits(w, cid):
+    return linear(w, "3.", features(w, tiny_clients()[cid].x))
+
+
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "local", "ditto"])
+def test_personal_model_is_the_global_one_with_the_clients_own_part(name):
+    got, algorithm, states = library(name)
+    for cid in range(3):
+        model = algorithm.personal_model(eval_task(algorithm, states, cid))
+        expected = got | own_part(states, cid)
+        assert close(model.state_dict(), expected) == 0.0 and not model.training
+        assert close(model.state_dict(), got) > 1e-3  # every client has trained its own part by now
+
+
+def test_a_client_never_sampled_has_the_global_model_as_its_personal_model():
+    _, algorithm, states = library("fedper", rounds=[[0, 1]])
+    model = algorithm.personal_model(eval_task(algorithm, states, 2))
+    assert close(model.state_dict(), algorithm.global_model().state_dict()) == 0.0
+
+
+def test_fedrod_personal_prediction_is_generic_plus_personal_logits():
+    got, algorithm, states = library("fedrod")
+    cid = 1
+    model = algorithm.personal_model(eval_task(algorithm, states, cid))
+    w = got | own_part(states, cid)
+    h = features(w, tiny_clients()[cid].x)
+    expected = linear(w, "3.generic.", h) + linear(w, "3.personal.", h)
+    assert float((outputs(model, cid) - expected).abs().max()) < 1e-12
+    generic = outputs(algorithm.global_model(), cid)  # the global model answers with the generic head only
+    assert float((generic - linear(got, "3.generic.", features(got, tiny_clients()[cid].x))).abs().max()) < 1e-12
+
+
+def reference_finetune(w, cid, round_index):
+    return sgd(w, tiny_clients()[cid], stream_batches(round_index, cid, "finetune", FT_EPOCHS), ce_loss, NAMES)
+
+
+@pytest.mark.parametrize("name", ["fedavg_ft", "fedbabu"])
+def test_fine_tuned_personal_model_matches_its_reference(name):
+    algorithm = fedlt.algorithms.create(name, finetune_epochs=FT_EPOCHS)
+    got, algorithm, states = library(algorithm)
+    task = eval_task(algorithm, states, 0)
+    rng = torch.get_rng_state()
+    model = algorithm.personal_model(task)
+    assert torch.equal(rng, torch.get_rng_state())  # evaluating draws nothing from the caller's stream
+    expected = reference_finetune(got, 0, 1)
+    assert close(model.state_dict(), expected) < 1e-9
+    assert close(expected, got, HEAD) > 1e-3  # the head is fine-tuned too (FedBABU's head moves only here)
+    assert close(algorithm.global_model().state_dict(), got) == 0.0 and not states.get(0)  # nothing stored
+    again = algorithm.personal_model(task)
+    assert close(again.state_dict(), model.state_dict()) == 0.0  # deterministic: the client's own stream
+
+
+def test_a_mutant_fine_tune_on_the_rounds_stream_is_rejected():
+    got, algorithm, states = library(fedlt.algorithms.create("fedavg_ft", finetune_epochs=FT_EPOCHS))
+    model = algorithm.personal_model(eval_task(algorithm, states, 0))
+    wrong = sgd(got, tiny_clients()[0], round_batches(1, 0, FT_EPOCHS), ce_loss, NAMES)
+    assert close(model.state_dict(), wrong) > 1e-4
+
+
+def test_fine_tuning_needs_the_clients_data():
+    _, algorithm, states = library(fedlt.algorithms.create("fedavg_ft", finetune_epochs=1))
+    task = dataclasses.replace(eval_task(algorithm, states, 0), data=None)
+    with pytest.raises(fedlt.errors.FedltError, match="training data"):
+        algorithm.personal_model(task)
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedrod", "ditto"])
+def test_personal_state_survives_a_checkpoint_round_trip(name, tmp_path):
+    """The engine checkpoints ClientStates with torch.save (weights_only load): a client's own part
+    comes back bit for bit, and so does its personal model."""
+    _, algorithm, states = library(name)
+    torch.save(states.state_dict(), tmp_path / "states.pt")
+    restored = ClientStates()
+    restored.load_state_dict(torch.load(tmp_path / "states.pt", weights_only=True))
+    for cid in range(3):
+        a = algorithm.personal_model(eval_task(algorithm, states, cid))
+        b = algorithm.personal_model(eval_task(algorithm, restored, cid))
+        assert close(a.state_dict(), b.state_dict()) == 0.0
