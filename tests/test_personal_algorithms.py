@@ -16,7 +16,8 @@ import fedlt.algorithms
 import fedlt.errors
 from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext, client_generator
 from fedlt.algorithms.personal import EvalTask, stream_seed
-from fedlt.algorithms.pfl import (PERSONAL, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg, Local,
+import fedlt.algorithms.pfl
+from fedlt.algorithms.pfl import (PERSONAL, ApflUpdate, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg, Local,
                                   PartsUpdate, RepUpdate, RoDUpdate)
 from fedlt.algorithms.stateful import features_of
 from fedlt.models import classifier
@@ -435,7 +436,7 @@ def test_fine_tuning_needs_the_clients_data():
         algorithm.personal_model(task)
 
 
-@pytest.mark.parametrize("name", ["fedper", "fedrod", "ditto"])
+@pytest.mark.parametrize("name", ["fedper", "fedrod", "ditto", "apfl"])
 def test_personal_state_survives_a_checkpoint_round_trip(name, tmp_path):
     """The engine checkpoints ClientStates with torch.save (weights_only load): a client's own part
     comes back bit for bit, and so does its personal model."""
@@ -447,3 +448,66 @@ def test_personal_state_survives_a_checkpoint_round_trip(name, tmp_path):
         a = algorithm.personal_model(eval_task(algorithm, states, cid))
         b = algorithm.personal_model(eval_task(algorithm, restored, cid))
         assert close(a.state_dict(), b.state_dict()) == 0.0
+
+
+# -- APFL --------------------------------------------------------------------------------------------
+def reference_apfl(alpha0=0.5, adaptive=True):
+    clients, x, init, own, alphas = tiny_clients(), initial(), initial(), {}, {}
+    for r, part in enumerate(ROUNDS):
+        trained = []
+        for k in part:
+            data, w, v, alpha = clients[k], copy(x), copy(own.get(k, init)), alphas.get(k, alpha0)
+            for step, idx in enumerate(round_batches(r, k)):
+                xb, yb = data.x[idx], data.y[idx]
+                w = sgd(w, data, [idx], ce_loss, NAMES)  # w's step first
+                lv = {n: t.clone().requires_grad_(True) for n, t in v.items()}
+                lw = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+                mixed = alpha * linear(lv, "3.", features(lv, xb)) + (1 - alpha) * linear(lw, "3.", features(lw, xb))
+                grads = torch.autograd.grad(cross_entropy(mixed, yb), [lv[n] for n in NAMES] + [lw[n] for n in NAMES])
+                gv, gw = dict(zip(NAMES, grads[:4])), dict(zip(NAMES, grads[4:]))
+                v = {n: v[n] - LR * gv[n] for n in NAMES}
+                if adaptive and step == 0:  # the authors' alpha_update, once a round
+                    grad = sum(float(((v[n] - w[n]) * (alpha * gv[n] + (1 - alpha) * gw[n])).sum()) for n in NAMES)
+                    alpha = min(max(alpha - LR * (grad + 0.02 * alpha), 0.0), 1.0)
+            own[k], alphas[k] = v, alpha
+            trained.append(w)
+        x = weighted(trained, [SIZES[k] for k in part], NAMES)
+    return x, own, alphas
+
+
+def test_apfl_matches_the_authors_update():
+    ref_x, ref_own, ref_alpha = reference_apfl()
+    got, algorithm, states = library("apfl")
+    check_parts(got, states, ref_x, ref_own)
+    for cid, alpha in ref_alpha.items():
+        assert abs(float(states.get(cid)["alpha"]) - alpha) < 1e-9
+    assert all(abs(a - 0.5) > 1e-4 for a in ref_alpha.values())  # α really moved
+    fedavg, _, _ = library("fedavg")
+    assert close(got, fedavg) < 1e-12  # the global model is FedAvg's exactly
+
+
+class ApflFixed(ApflUpdate):
+    def stepped(self, local, model, x, y, step):  # α never updated
+        super().stepped(local, model, x, y, step if step else 1)
+
+
+class ApflMutant(fedlt.algorithms.pfl.APFL):
+    def client_fn(self):
+        return ApflFixed(self.alpha, self.adaptive)
+
+
+def test_the_apfl_reference_rejects_alpha_left_alone():
+    _, ref_own, ref_alpha = reference_apfl()
+    _, _, states = library(ApflMutant())
+    assert max(abs(float(states.get(c)["alpha"]) - a) for c, a in ref_alpha.items()) > 1e-4
+    assert max(close(own_part(states, c), p) for c, p in ref_own.items()) > 1e-6
+
+
+def test_apfl_personal_prediction_mixes_the_outputs():
+    got, algorithm, states = library("apfl")
+    cid = 1
+    model = algorithm.personal_model(eval_task(algorithm, states, cid))
+    alpha, v = float(states.get(cid)["alpha"]), own_part(states, cid)
+    expected = alpha * reference_logits(v, cid) + (1 - alpha) * reference_logits(got, cid)
+    assert float((outputs(model, cid) - expected).abs().max()) < 1e-12
+    assert float((outputs(model, cid) - reference_logits(got, cid)).abs().max()) > 1e-4

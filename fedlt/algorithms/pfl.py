@@ -471,6 +471,102 @@ class Ditto(Personalised):
         return InitStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, part_keys(model, self.shared))
 
 
+# -- APFL -------------------------------------------------------------------------------------------
+class Mixed(nn.Module):
+    """APFL's personal prediction α·v(x) + (1 − α)·w(x): the client's model v and the global w
+    mixed in output space (the authors' ``inference_personal``)."""
+
+    def __init__(self, personal: nn.Module, global_: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.personal, self.global_model, self.alpha = personal, global_, float(alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * self.personal(x) + (1.0 - self.alpha) * self.global_model(x)
+
+
+@dataclass
+class _ApflLocal:
+    personal: nn.Module
+    optimiser: torch.optim.Optimizer
+    alpha: float
+    schedule: Any  # the round's LocalSchedule: v's clipping, and η of α's step
+
+
+@dataclass(frozen=True)
+class ApflUpdate(ClientUpdate):
+    """APFL's round as the authors' FedTorch code runs it: each step, w's step on the objective,
+    then (same minibatch, w after its step) v's step on CE(α·v(x) + (1 − α)·w(x), y); at the
+    round's first step α ← clip(α − η·(Σ⟨v − w, α·∇_v + (1 − α)·∇_w⟩ + 0.02·α), 0, 1), the
+    gradients those of that mixed loss; w is sent, v and α kept."""
+
+    alpha: float
+    adaptive: bool
+
+    def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
+        personal = copy.deepcopy(model)  # same architecture, device and layout as the work module
+        personal.load_state_dict(task.state.get(PERSONAL) or task.payload["init"])
+        personal.train()
+        alpha = task.state.get("alpha")
+        alpha = self.alpha if alpha is None else float(alpha)
+        optimiser = task.schedule.optimiser([p for p in personal.parameters() if p.requires_grad])
+        return _ApflLocal(personal, optimiser, alpha, task.schedule)
+
+    def stepped(self, local: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        v, w = local.personal, model
+        w_params = [p for p in w.parameters() if p.requires_grad]
+        v_params = [p for p in v.parameters() if p.requires_grad]
+        local.optimiser.zero_grad(set_to_none=True)
+        for p in w_params:
+            p.grad = None  # the mixed loss's gradient w.r.t. w, for α's step only (w has stepped)
+        mixed = local.alpha * upcast(v(x)) + (1.0 - local.alpha) * upcast(w(x))
+        F.cross_entropy(mixed, y).backward()
+        local.schedule.clip_(v_params)
+        local.optimiser.step()
+        if self.adaptive and step == 0:
+            grad = 0.0
+            with torch.no_grad():
+                for pv, pw in zip(v_params, w_params):
+                    gv = pv.grad if pv.grad is not None else torch.zeros_like(pv)
+                    gw = pw.grad if pw.grad is not None else torch.zeros_like(pw)
+                    direction = local.alpha * gv + (1.0 - local.alpha) * gw
+                    grad += float(((pv - pw).double() * direction.double()).sum())
+            grad += 0.02 * local.alpha
+            local.alpha = min(max(local.alpha - local.schedule.lr * grad, 0.0), 1.0)
+        for p in w_params:
+            p.grad = None
+
+    def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
+            steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        alpha = torch.tensor(local.alpha, dtype=torch.float64)
+        return {PERSONAL: _clone(local.personal.state_dict()), "alpha": alpha}, {}
+
+
+class APFL(Personalised):
+    """APFL (Deng, Kamani, Mahdavi 2020) as the authors' FedTorch code runs it: the global model w
+    by FedAvg; per client a model v and a mixing weight α (default 0.5, ``fed_personal_alpha``),
+    learned by its gradient at each round's first step (``adaptive``); personal prediction
+    α·v(x) + (1 − α)·w(x)."""
+
+    shared: ClassVar[str] = "all"
+    alpha: float = Field(0.5, ge=0, le=1, description="the mixing weight α a client starts with")
+    adaptive: bool = Field(True, description="learn α by its gradient (False: α stays fixed)")
+
+    def client_fn(self) -> ClientUpdate:
+        return ApflUpdate(self.alpha, self.adaptive)
+
+    def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
+        return InitStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, part_keys(model, self.shared))
+
+    def personal_model(self, task: EvalTask) -> nn.Module:
+        w = self.fresh_model(task)
+        w.load_state_dict(task.weights)
+        if PERSONAL not in task.state:  # never trained: its personal model is the global one
+            return w.eval()
+        v = self.fresh_model(task)
+        v.load_state_dict(task.state[PERSONAL])
+        return Mixed(v, w, float(task.state["alpha"])).eval()
+
+
 register("local")(Local)
 register("fedavg_ft")(FedAvgFT)
 register("fedper")(FedPer)
@@ -479,7 +575,9 @@ register("fedbabu")(FedBABU)
 register("lg_fedavg")(LGFedAvg)
 register("fedrod")(FedRoD)
 register("ditto")(Ditto)
+register("apfl")(APFL)
 
-__all__ = ["Local", "FedAvgFT", "FedPer", "FedRep", "FedBABU", "LGFedAvg", "FedRoD", "Ditto", "DualHead",
+__all__ = ["Local", "FedAvgFT", "FedPer", "FedRep", "FedBABU", "LGFedAvg", "FedRoD", "Ditto", "APFL", "DualHead", "Mixed",
+           "ApflUpdate",
            "PartsUpdate", "RepUpdate", "RoDUpdate", "DittoUpdate", "ProximalUpdate", "SharedStrategy",
            "InitStrategy", "part_keys", "frozen", "with_dual_head", "eval_device"]
