@@ -282,6 +282,12 @@ class FedAvgFT(FineTuned):
     """FedAvg + local fine-tuning: FedAvg's training; personal model: the global model fine-tuned
     E = 10 epochs on the client's data (PFLlib's ``fine_tuning_epochs`` default)."""
 
+    def client_fn(self):  # FedAvg's own loop and strategy, so it trains in a --cohort as FedAvg does
+        return FedAvgFamily.client_fn(self)
+
+    def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
+        return FedAvgFamily.make_strategy(self, model, ctx)
+
 
 class FedBABU(FineTuned):
     """FedBABU (Oh, Kim, Yun, ICLR 2022): the head frozen at its random initialisation during
