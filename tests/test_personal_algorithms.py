@@ -13,16 +13,17 @@ import torch
 import torch.nn.functional as F
 
 import fedlt.algorithms
+import fedlt.algorithms.pfl
 import fedlt.errors
 from fedlt.algorithms.base import ClientData, LocalSchedule, RunContext, client_generator
+from fedlt.algorithms.cohort import cohort_reason
 from fedlt.algorithms.personal import EvalTask, stream_seed
-import fedlt.algorithms.pfl
-from fedlt.algorithms.pfl import (PERSONAL, ApflUpdate, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg, Local,
-                                  PartsUpdate, RepUpdate, RoDUpdate)
-from fedlt.algorithms.stateful import features_of
-from fedlt.models import classifier
+from fedlt.algorithms.pfl import (PERSONAL, ApflUpdate, Ditto, DittoUpdate, FedBABU, FedPer, FedRep, FedRoD, LGFedAvg,
+                                  Local, PartsUpdate, RepUpdate, RoDUpdate)
 from fedlt.algorithms.protocol import ClientStates
+from fedlt.algorithms.stateful import features_of
 from fedlt.engine import train_round
+from fedlt.models import classifier
 from fedlt.models.alexnet import MLP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -384,10 +385,26 @@ def test_personal_model_is_the_global_one_with_the_clients_own_part(name):
         assert close(model.state_dict(), got) > 1e-3  # every client has trained its own part by now
 
 
-def test_a_client_never_sampled_has_the_global_model_as_its_personal_model():
-    _, algorithm, states = library("fedper", rounds=[[0, 1]])
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "local", "ditto", "apfl"])
+def test_a_client_never_sampled_has_the_global_model_as_its_personal_model(name):
+    _, algorithm, states = library(name, rounds=[[0, 1]])
     model = algorithm.personal_model(eval_task(algorithm, states, 2))
     assert close(model.state_dict(), algorithm.global_model().state_dict()) == 0.0
+    assert not states.get(2)
+
+
+def test_a_fedrod_client_never_sampled_adds_the_initial_personal_head():
+    got, algorithm, states = library("fedrod", rounds=[[0, 1]])
+    model = algorithm.personal_model(eval_task(algorithm, states, 2))
+    h = features(got, tiny_clients()[2].x)
+    expected = linear(got, "3.generic.", h) + linear(rod_initial(), "3.personal.", h)
+    assert float((outputs(model, 2) - expected).abs().max()) < 1e-12
+
+
+def test_what_trains_alone_says_why():
+    assert "overrides ClientUpdate.stepped" in cohort_reason(fedlt.algorithms.create("apfl"), MLP(D, C))
+    assert "overrides ClientUpdate.__call__" in cohort_reason(fedlt.algorithms.create("fedper"), MLP(D, C))
+    assert cohort_reason(fedlt.algorithms.create("fedavg_ft"), MLP(D, C)) is None  # FedAvg's own loop
 
 
 def test_fedrod_personal_prediction_is_generic_plus_personal_logits():
