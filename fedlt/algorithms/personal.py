@@ -103,7 +103,8 @@ class FinetuneUpdate(ClientUpdate):
 def finetune(model: nn.Module, task: EvalTask, update: ClientUpdate | None = None) -> nn.Module:
     """``model`` (holding the weights to start from) trained in place on ``task.data`` with
     ``task.schedule`` on ``task.objective`` — the run's local loop (``update``: the FedAvg family's
-    by default; its optimiser, clipping, augmentation, precision) — and returned. Its minibatches
+    by default; its optimiser, clipping, augmentation, precision) — and returned (in training
+    mode: the caller sets eval). Its minibatches
     and torch's global generators draw from the client's ("finetune") stream; the caller's streams
     are restored after, and nothing is stored."""
     if task.data is None or task.schedule is None:

@@ -583,7 +583,7 @@ register("fedrod")(FedRoD)
 register("ditto")(Ditto)
 register("apfl")(APFL)
 
-__all__ = ["Local", "FedAvgFT", "FedPer", "FedRep", "FedBABU", "LGFedAvg", "FedRoD", "Ditto", "APFL", "DualHead", "Mixed",
-           "ApflUpdate",
+__all__ = ["Local", "FedAvgFT", "FedPer", "FedRep", "FedBABU", "LGFedAvg", "FedRoD", "Ditto", "APFL", "DualHead",
+           "Mixed", "ApflUpdate",
            "PartsUpdate", "RepUpdate", "RoDUpdate", "DittoUpdate", "ProximalUpdate", "SharedStrategy",
            "InitStrategy", "part_keys", "frozen", "with_dual_head", "eval_device"]
