@@ -65,7 +65,9 @@ def cohort_reason(algorithm: Any, model: nn.Module) -> str | None:
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
                     "or a two-pass step that the batched forward does not carry)")
-    for hook in ("__call__", "upload"):  # work around the loop (CCVR's statistics) or what is sent (FedDC's θ+h)
+    # work around the loop (CCVR's statistics), what is sent (FedDC's θ+h), a second model stepped
+    # after each step (APFL) or another minibatch stream (a fine-tune)
+    for hook in ("__call__", "upload", "stepped", "generator"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
     for m in model.modules():

@@ -43,13 +43,14 @@ class ClientUpdate:
     Calling it is ``client_update(task, model)``. The hooks, in the order the loop calls them:
     ``begin`` (once: what this round's variant needs, returned as ``local``), per step
     ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
-    ``.backward()`` of their sum) and ``correct`` (edits the gradients before clipping), then
+    ``.backward()`` of their sum), ``correct`` (edits the gradients before clipping) and
+    ``stepped`` (after the optimiser's step, same minibatch), then
     ``end`` (once: the client's new persistent state and the extras the strategy reads), then
     ``upload`` (once: the weights the client sends back for aggregation; its trained weights by
     default, FedDC's θ + h in a drift-decoupling variant). A variant that adds a term to the
     loss adds a named part, so a non-finite step names the part that produced it. Subclasses
     are plain, picklable dataclasses holding their hyper-parameters only: nothing is carried
-    between calls.
+    between calls. ``generator(task)`` gives the minibatch-order stream (the round's).
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
@@ -63,7 +64,7 @@ class ClientUpdate:
                                     [task.weights[n] for n in names], task.state.get("loss"))
         params = [p for p in model.parameters() if p.requires_grad]
         optimiser = task.schedule.optimiser(params)
-        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        generator = self.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
@@ -83,12 +84,17 @@ class ClientUpdate:
             self.correct(local, params)
             task.schedule.clip_(params)
             optimiser.step()
+            self.stepped(local, model, x, y, steps)
             steps += 1
         train_loss = check_parts(parts, steps, task)
         own, extras = self.end(local, task, model, params, steps)
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
         weights = self.upload(local, task, model, own)
         return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
+
+    def generator(self, task: ClientTask) -> torch.Generator:
+        """The minibatch-order stream: the client's round stream; a fine-tune draws from its own."""
+        return client_generator(task.context.sampling_seed, task.round_index, task.cid)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return None
@@ -108,6 +114,10 @@ class ClientUpdate:
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         pass
+
+    def stepped(self, local: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        """After the optimiser's step ``step`` (from 0), on the same minibatch: a second model's
+        step that reads the one just taken (APFL's personal model and its α)."""
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -22,13 +22,18 @@ stream of its own (never the training round's).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
+from torch import nn
 
 from fedlt import wire
 from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.fedavg_family import ClientUpdate
+from fedlt.algorithms.protocol import ClientTask
 from fedlt.context import RoundContext
 
 State = dict[str, torch.Tensor]
@@ -75,3 +80,39 @@ class ClientScores:
 
 for _cls in (EvalTask, ClientScores):
     wire.register(_cls)
+
+
+# -- fine-tuning (SPEC §7): fedavg_ft's and FedBABU's personal model, the evaluators' finetune mode --
+def stream_seed(sampling_seed: int, round_index: int, cid: int, purpose: str) -> int:
+    """The seed of client ``cid``'s stream for ``purpose`` in round ``round_index``: (seed, round,
+    cid, purpose) mixed by numpy's SeedSequence, so it shares nothing with the training round's."""
+    words = np.random.SeedSequence([sampling_seed, round_index, cid, zlib.crc32(purpose.encode())]).generate_state(2)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+@dataclass(frozen=True)
+class FinetuneUpdate(ClientUpdate):
+    """The FedAvg family's local loop with its minibatches drawn from the (seed, round, cid,
+    "finetune") stream instead of the round's."""
+
+    def generator(self, task: ClientTask) -> torch.Generator:
+        return torch.Generator().manual_seed(
+            stream_seed(task.context.sampling_seed, task.round_index, task.cid, "finetune") % (2**63))
+
+
+def finetune(model: nn.Module, task: EvalTask, update: ClientUpdate | None = None) -> nn.Module:
+    """``model`` (holding the weights to start from) trained in place on ``task.data`` with
+    ``task.schedule`` on ``task.objective`` — the run's local loop (``update``: the FedAvg family's
+    by default; its optimiser, clipping, augmentation, precision) — and returned (in training
+    mode: the caller sets eval). Its minibatches
+    and torch's global generators draw from the client's ("finetune") stream; the caller's streams
+    are restored after, and nothing is stored."""
+    if task.data is None or task.schedule is None:
+        raise ValueError(f"finetune of client {task.cid} needs its training data and a schedule")
+    work = ClientTask(task.cid, task.context, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                      task.data, {}, task.schedule, task.objective)
+    device = task.data.x.device if isinstance(task.data.x, torch.Tensor) else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(stream_seed(task.context.sampling_seed, task.round_index, task.cid, "finetune-rng"))
+        (update or FinetuneUpdate())(work, model)
+    return model
