@@ -44,7 +44,7 @@ from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.run import parts
-from fedlt.run.evaluation import Evaluator, Finished
+from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
 from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore
 from fedlt.run.signals import RunStopped, stop_on_signal
 
@@ -77,7 +77,8 @@ class RoundLoop:
         self.faults_possible = (config.faults.on_failure == "drop" or self.availability.acts
                                 or config.faults.round_timeout is not None)
         self.source = (images(prep.data.x_train).to(self.device), prep.data.y_train.to(self.device))
-        self.evaluator = Evaluator(prep, overlapped=bool(getattr(runner, "overlaps_evaluation", False)))
+        self.evaluator = Evaluator(prep, overlapped=bool(getattr(runner, "overlaps_evaluation", False)),
+                                   clients=ClientEvaluation(prep, self.policy, state.client_states, self.source))
         self.trained = state.round  # rounds trained; one ahead of state.round while a round is evaluated
 
     def run(self) -> None:
@@ -237,7 +238,7 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
     io.write_json(out / "config.json", config.model_dump(mode="json"))
     if not resume:
-        io.write_json(out / "partition.json", prep.partition.manifest)
+        io.write_json(out / "partition.json", prep.manifest())
         prep.partition.save(out / "partition.npz")
     io.write_lines(out / "metrics.jsonl", state.metrics)  # on resume: drop lines written after the checkpoint
     (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is rewritten at its end
