@@ -79,7 +79,8 @@ class FlowerRounds:
             content = codec.content(dataclasses.replace(t, data=None, test=None), f"evaluation of client {t.cid}")
             content["client"] = ConfigRecord({"cid": t.cid})
             contents.append((t.cid, content))
-        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in self.send("evaluate", contents)]
+        replies = self.send("evaluate", contents)
+        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in replies]
 
     # -- messages --------------------------------------------------------------------------------
     def nodes(self) -> dict[int, int]:

@@ -65,7 +65,8 @@ def eval_clients(num_clients: int, fraction: float, sampling_seed: int) -> list[
     if fraction >= 1:
         return list(range(num_clients))
     m = max(int(round(fraction * num_clients)), 1)
-    return sorted(np.random.default_rng([sampling_seed, EVAL_CLIENTS_SALT]).choice(num_clients, m, replace=False).tolist())
+    rng = np.random.default_rng([sampling_seed, EVAL_CLIENTS_SALT])
+    return sorted(rng.choice(num_clients, m, replace=False).tolist())
 
 
 class ClientEvaluation:
@@ -78,7 +79,8 @@ class ClientEvaluation:
     accuracy, in client order; ``client_ids`` beside it when not every client is there) and
     ``failed`` (client -> why) when a tolerant runner lost some."""
 
-    def __init__(self, prep: Any, runner: Any, states: ClientStates, source: tuple[Any, torch.Tensor] | None = None) -> None:
+    def __init__(self, prep: Any, runner: Any, states: ClientStates,
+                 source: tuple[Any, torch.Tensor] | None = None) -> None:
         config = prep.config
         self.prep, self.runner, self.states, self.source = prep, runner, states, source
         self.modes: list[EvalModeSpec] = [eval_mode_of(spec) for spec in config.client_eval_modes()]
@@ -117,8 +119,9 @@ class ClientEvaluation:
     def fields(self, prefix: str, outcomes: list[Any]) -> dict[str, Any]:
         scored = [o for o in outcomes if isinstance(o, ClientScores)]
         num_classes = self.prep.ctx.num_classes
-        correct = np.stack([o.correct.numpy() for o in scored]) if scored else np.zeros((0, num_classes), np.int64)
-        total = np.stack([o.total.numpy() for o in scored]) if scored else np.zeros((0, num_classes), np.int64)
+        empty = np.zeros((0, num_classes), np.int64)
+        correct = np.stack([o.correct.cpu().numpy() for o in scored]) if scored else empty
+        total = np.stack([o.total.cpu().numpy() for o in scored]) if scored else empty
         cids = [o.cid for o in scored]
         out = per_client_summary(correct, total, self.prep.counts.numpy()[cids], prefix,
                                  group_of=lambda n: group_classes(n, self.prep.config))
