@@ -127,6 +127,10 @@ def test_personal_is_the_algorithms_own_model_and_the_global_one_without(trained
     assert algorithm.asked == [(0, sorted(states.get(0)))] and states.get(0)  # it got the client's stored state
     counts = torch.bincount(task.test.y, minlength=prep.ctx.num_classes)
     assert own.correct.tolist() == [int(counts[3]) if c == 3 else 0 for c in range(prep.ctx.num_classes)]
+    # the evaluator scores personal with the personal model when there is one, else as global_local
+    row = ClientEvaluation(dataclasses.replace(prep, algorithm=WithPersonal(prep.algorithm)), LocalRunner(), states)(1)
+    assert row["personal_client_accuracy"][0] == pytest.approx(float(counts[3]) / len(task.test.y), abs=1e-6)
+    assert row["personal_client_accuracy"] != row["global_local_client_accuracy"]
 
 
 def test_finetune_trains_a_copy_in_a_stream_of_its_own(trained):

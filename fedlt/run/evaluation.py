@@ -24,7 +24,7 @@ import torch
 
 import fedlt.posthoc
 from fedlt.algorithms.base import ClientData, NonFiniteLoss
-from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, eval_mode_of
+from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of
 from fedlt.algorithms.protocol import ClientFailure, ClientStates, evaluate_with
 from fedlt.algorithms.split import classifier_of
 from fedlt.metrics import evaluate, per_client_summary
@@ -95,14 +95,24 @@ class ClientEvaluation:
         model = self.prep.algorithm.global_model()
         weights, classifier = model.state_dict(), classifier_of(model)
         row: dict[str, Any] = {}
+        done: dict[EvalModeSpec, list[Any]] = {}
         for mode in self.modes:
-            outcomes: list[Any] = []
-            for start in range(0, len(self.clients), CHUNK):
-                tasks = [self.task(mode, cid, number - 1, weights, classifier)
-                         for cid in self.clients[start:start + CHUNK]]
-                outcomes += evaluate_with(self.runner, self.prep.algorithm, tasks)
-            row.update(self.fields(mode.name, outcomes))
+            run = self.runs_as(mode)
+            if run not in done:
+                done[run] = []
+                for start in range(0, len(self.clients), CHUNK):
+                    tasks = [self.task(run, cid, number - 1, weights, classifier)
+                             for cid in self.clients[start:start + CHUNK]]
+                    done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+            row.update(self.fields(mode.name, done[run]))
         return row
+
+    def runs_as(self, mode: EvalModeSpec) -> EvalModeSpec:
+        """The mode whose tasks give ``mode``'s scores: ``personal`` of an algorithm that keeps no
+        personal model is ``global_local`` (the same model, by definition: evaluated once)."""
+        if mode.name == "personal" and getattr(self.prep.algorithm, "personal_model", None) is None:
+            return GlobalLocal()
+        return mode
 
     def task(self, mode: EvalModeSpec, cid: int, r: int, weights: dict, classifier: torch.Tensor | None) -> EvalTask:
         prep, ctx = self.prep, self.prep.ctx
