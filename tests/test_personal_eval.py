@@ -236,3 +236,23 @@ def test_true_still_means_each_clients_expected_accuracy(resolved):
     config = resolved("--client-test", "matched(size=50)", "--client-eval", "expected", "--client-eval", "personal")
     assert config.client_eval_expected() and config.client_eval_modes() == [{"name": "personal"}]
     assert config.client_test == {"name": "matched", "size": 50}
+
+
+def test_a_tolerant_runner_reports_a_client_whose_evaluation_fails(trained):
+    prep, states = trained
+
+    class Failing:  # a personal model that cannot be built for client 2
+        def global_model(self):
+            return prep.algorithm.global_model()
+
+        def personal_model(self, task):
+            if task.cid == 2:
+                raise RuntimeError("no personal model here")
+            return Constant(prep.ctx.num_classes, 0)
+
+    failing = dataclasses.replace(prep, algorithm=Failing())
+    row = ClientEvaluation(failing, LocalRunner(tolerate=True), states)(1)
+    assert row["personal_failed"] == {"2": "failed: RuntimeError: no personal model here"}
+    assert row["personal_clients"] == 3 and row["personal_client_ids"] == [0, 1, 3]
+    with pytest.raises(RuntimeError, match="no personal model"):
+        ClientEvaluation(failing, LocalRunner(), states)(1)
