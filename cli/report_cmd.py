@@ -18,8 +18,8 @@ from fedlt.errors import FedltError
 def report(
     runs: list[Path] = typer.Argument(..., help="run directories (written by fedlt run), or one study directory "
                                       "(written by fedlt sweep)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy curves, per-class bars and partition "
-                                                              "heatmaps as PNG files into this folder (a study: "
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write accuracy curves, per-class bars, per-client "
+                                                              "distributions and partition heatmaps as PNG files into this folder (a study: "
                                                               "curves with ±std bands over seeds)"),
     rows: Optional[list[str]] = typer.Option(None, "--rows", help="study: the axes down the table (repeatable; "
                                              "default: every axis not in --cols)"),
@@ -98,7 +98,7 @@ def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, outpu
 
 
 def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
-    from fedlt.report import participation_table, read_runs, table, write_plots
+    from fedlt.report import participation_table, per_client_table, read_runs, table, write_plots
 
     loaded, problems = read_runs(runs)
     if not loaded:
@@ -107,6 +107,9 @@ def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
     if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
         console.width = 160
     console.print(table(loaded))
+    personal = per_client_table(loaded)
+    if personal is not None:
+        console.print(personal)
     lost = participation_table(loaded)
     if lost is not None:
         console.print(lost)

@@ -23,8 +23,26 @@ def round_line(row: dict[str, Any], rounds: int) -> str:
     """One evaluated round as a plain line: ``round 5/25  loss 0.4312  acc 0.6510  balanced 0.6400  round 4.1s``."""
     loss = row.get("train_loss")
     loss_text = f"  loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+    modes = "".join(f"  {mode} {row[f'{mode}_mean']:.4f}" for mode in PER_CLIENT_MODES
+                    if isinstance(row.get(f"{mode}_mean"), (int, float)))
     return (f"round {row['round']}/{rounds}{loss_text}  acc {row['accuracy']:.4f}  "
-            f"balanced {row['balanced_accuracy']:.4f}  round {row.get('round_s', 0):.1f}s")
+            f"balanced {row['balanced_accuracy']:.4f}{modes}  round {row.get('round_s', 0):.1f}s")
+
+
+PER_CLIENT_MODES = ("global_local", "personal", "finetune")  # fedlt.algorithms.personal.EVAL_MODES (not imported: start-up)
+
+
+def per_client_line(summary: dict[str, Any]) -> str:
+    """Each per-client mode's mean accuracy over clients, last and best: ``finetune mean 0.2586
+    (best 0.2586, round 2; min 0.1364, worst10 0.1364)``; one line per mode."""
+    lines = []
+    for mode, numbers in summary.get("per_client", {}).items():
+        final, best = numbers["final"], numbers["best"].get("mean")
+        fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+        best_text = f" (best {best['value']:.4f}, round {best['round']})" if best else ""
+        lines.append(f"{mode}: mean {fmt(final.get('mean'))}{best_text}  weighted {fmt(final.get('mean_weighted'))}  "
+                     f"min {fmt(final.get('min'))}  worst10 {fmt(final.get('worst10'))}  std {fmt(final.get('std'))}")
+    return "\n".join(lines)
 
 
 class ProgressStatus:
@@ -100,6 +118,22 @@ def number(text: str, flag: str) -> int | float:
     raise FedltError(f"{flag}: expected a number, got {text!r}")
 
 
+def client_eval_flags(given: list[str], off: bool) -> bool | list[str]:
+    """``--client-eval`` (repeatable) / ``--no-client-eval`` as the ``client_eval`` setting:
+    true / false, or the modes given (validated by the config)."""
+    if off:
+        if given:
+            raise FedltError("--no-client-eval and --client-eval contradict each other: give one")
+        return False
+    words = {"true": True, "false": False}
+    if len(given) == 1 and given[0].strip().lower() in words:
+        return words[given[0].strip().lower()]
+    if any(g.strip().lower() in words for g in given):
+        raise FedltError("--client-eval: true / false stand alone; give modes (expected, global_local, personal, "
+                         "finetune(epochs=E)) to combine several")
+    return given
+
+
 def nest(path: list[str], value: Any) -> dict[str, Any]:
     out: Any = value
     for key in reversed(path):
@@ -161,8 +195,16 @@ def run(
     eval_every: Optional[int] = typer.Option(None),
     groups: Optional[str] = typer.Option(None, help="many/medium/few rule: count (>100 / 20-100 / <20) or share (75% / 95%)"),
     posthoc: Optional[list[str]] = typer.Option(None, "--posthoc", help="post-hoc calibration evaluated beside the model (tau_norm); repeatable"),
-    client_eval: Optional[bool] = typer.Option(None, "--client-eval/--no-client-eval",
-                                               help="also report each client's expected accuracy (docs/runs.md)"),
+    client_test: Optional[str] = typer.Option(None, "--client-test", help="each client's own test set: matched, "
+                                              "'matched(size=50)' or 'holdout(fraction=0.25)' (none: unset; "
+                                              "docs/evaluation.md)"),
+    client_eval: Optional[list[str]] = typer.Option(None, "--client-eval", help="per-client evaluation: true (each "
+                                                    "client's expected accuracy), or a mode: expected, global_local, "
+                                                    "personal, 'finetune(epochs=1)' (repeatable; docs/evaluation.md)"),
+    no_client_eval: bool = typer.Option(False, "--no-client-eval", help="no per-client evaluation"),
+    client_eval_fraction: Optional[float] = typer.Option(None, "--client-eval-fraction",
+                                                         help="share of the clients the modes evaluate (a fixed "
+                                                              "sample per seed)"),
     checkpoint_every: Optional[int] = typer.Option(None),
     device: Optional[str] = typer.Option(None),
     fused: Optional[str] = typer.Option(None, "--fused", help="fused loss path: auto, on, off (docs/fused.md)"),
@@ -211,12 +253,16 @@ def run(
     overrides: dict[str, Any] = {}
     scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
-                   eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused, client_eval=client_eval,
-                   precision=precision, cohort=cohort,
+                   eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
+                   client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)
+    if client_eval or no_client_eval:
+        overrides["client_eval"] = client_eval_flags(client_eval or [], no_client_eval)
+    if client_test is not None:
+        overrides["client_test"] = unsettable(client_test)
     optional = dict(split=split, data_root=data_root, partition_file=partition_file, local_epochs=local_epochs,
                     train_limit=train_limit, test_limit=test_limit)
     overrides.update({k: unsettable(v) for k, v in optional.items() if v is not None})
@@ -320,4 +366,6 @@ def run(
     typer.echo(f"final accuracy {final['accuracy']:.4f}  balanced {final['balanced_accuracy']:.4f}  "
                f"best {summary['best']['accuracy']:.4f} (round {summary['best']['round']})  "
                f"rounds {summary['rounds']}  wall {summary['wall_time_s']:.1f}s  -> {cfg.out}")
+    if summary.get("per_client"):
+        typer.echo(per_client_line(summary))
 

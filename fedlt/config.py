@@ -20,11 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, 
 import fedlt.algorithms
 import fedlt.augment
 import fedlt.availability
+import fedlt.client_tests
 import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import safe_yaml
+from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 from fedlt.spec import DEFAULT_PARTITION, MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec  # noqa: F401
@@ -248,7 +250,17 @@ class RunConfig(Strict):
 
     eval_every: PositiveInt = Field(5, description="evaluate every N rounds (and after the last)")
     groups: Groups = Field(default_factory=Groups, description="rule for many / medium / few classes")
-    client_eval: bool = Field(False, description="also report each client's expected accuracy (docs/runs.md)")
+    client_test: dict[str, Any] | None = Field(
+        None, description="each client's own test set (spec): matched, 'matched(size=50)' (drawn from the test set "
+                          "to follow its training labels) or 'holdout(fraction=0.25)' (carved out of its own data "
+                          "before training); docs/evaluation.md")
+    client_eval: bool | list[dict[str, Any]] = Field(
+        False, description="per-client evaluation: true (each client's expected accuracy under its training labels, "
+                           "docs/runs.md), or modes (a spec or a list): expected, global_local, personal, "
+                           "'finetune(epochs=1)' (docs/evaluation.md)")
+    client_eval_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False,
+                                        description="share of the clients given the per-client evaluation modes (a "
+                                                    "fixed sample per sampling seed; for runs of 1000 clients)")
     posthoc: list[str | dict[str, Any]] = Field(
         default_factory=list, description="post-hoc calibrations evaluated beside the model, e.g. ['tau_norm']")
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
@@ -305,6 +317,61 @@ class RunConfig(Strict):
     @classmethod
     def _valid_partition(cls, spec: dict[str, Any]) -> dict[str, Any]:
         return _check_component(fedlt.partitioners.REGISTRY, spec, "partition")
+
+    @field_validator("client_test", mode="before")
+    @classmethod
+    def _client_test_spec(cls, spec: Any) -> Any:
+        return _spec_strings(spec, "client_test", ())
+
+    @field_validator("client_test")
+    @classmethod
+    def _valid_client_test(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if spec is None else _check_component(fedlt.client_tests.REGISTRY, spec, "client_test")
+
+    @field_validator("client_eval", mode="before")
+    @classmethod
+    def _client_eval_modes(cls, value: Any) -> Any:
+        """``true`` / ``false`` as they were; a mode spec or a list of them as ``{"name": ...}``
+        tables, each checked; ``expected`` alone is ``true`` (so older configs read the same)."""
+        if isinstance(value, bool) or value is None:
+            return bool(value)
+        specs = [value] if isinstance(value, (str, dict)) else value
+        if not isinstance(specs, list):
+            return value  # pydantic names the type
+        modes = []
+        for spec in specs:
+            spec = _spec_strings(spec, "client_eval", ())
+            if not isinstance(spec, dict) or spec.get("name") not in ("expected", *EVAL_MODES):
+                name = spec.get("name") if isinstance(spec, dict) else spec
+                raise ValueError(f"unknown mode {name!r} (valid: expected, {', '.join(EVAL_MODES)})")
+            if spec["name"] != "expected":
+                try:
+                    spec = {"name": spec["name"], **eval_mode_of(spec).params()}
+                except FedltError as exc:
+                    raise ValueError(str(exc)) from None
+            elif len(spec) > 1:
+                raise ValueError("expected takes no parameters")
+            if any(m["name"] == spec["name"] for m in modes):
+                raise ValueError(f"{spec['name']} is given twice")
+            modes.append(spec)
+        return True if [m["name"] for m in modes] == ["expected"] else modes if modes else False
+
+    @model_validator(mode="after")
+    def _client_tests_for_the_modes(self) -> "RunConfig":
+        if self.client_eval_modes() and self.client_test is None:
+            raise ValueError(f"client_eval: {', '.join(m['name'] for m in self.client_eval_modes())} tests each "
+                             "client on its own test set: choose one with client_test (e.g. --client-test matched "
+                             "or 'holdout(fraction=0.25)')")
+        return self
+
+    def client_eval_modes(self) -> list[dict[str, Any]]:
+        """The per-client evaluation modes (SPEC §7) asked for: ``{"name": ..., **params}`` each."""
+        return [] if isinstance(self.client_eval, bool) else [m for m in self.client_eval if m["name"] != "expected"]
+
+    def client_eval_expected(self) -> bool:
+        """Whether each client's expected accuracy under its training labels is reported."""
+        return self.client_eval is True or (isinstance(self.client_eval, list)
+                                            and any(m["name"] == "expected" for m in self.client_eval))
 
     @field_validator("augment", mode="before")
     @classmethod

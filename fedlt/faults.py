@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientRunner, ClientTask, Upload
+from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientRunner, ClientTask, Upload, evaluate_with
 from fedlt.errors import FedltError
 
 
@@ -122,6 +122,11 @@ class PolicyRunner:
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "PolicySessions":
         return PolicySessions(self, algorithm, list(tasks))
+
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Per-client evaluation goes straight to the transport: the round policy (availability,
+        deadlines, injected faults) governs training rounds, not the evaluation of their result."""
+        return evaluate_with(self.transport, algorithm, tasks)
 
 
 class PolicySessions:

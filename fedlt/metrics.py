@@ -108,6 +108,17 @@ def client_class_tallies(is_correct: np.ndarray, labels: np.ndarray, test_indice
     return correct.reshape(-1, num_classes).astype(np.int64), total
 
 
+PER_CLIENT_KEYS = ("mean_weighted", "mean", "std", "min", "worst10", "many", "medium", "few")
+PER_CLIENT_HIGHER = tuple(k for k in PER_CLIENT_KEYS if k != "std")  # accuracies: the best round is the highest
+
+
+def best_of(rows: list[dict], key: str) -> tuple[float, int] | None:
+    """(the highest value of ``key`` over the evaluated ``rows``, its round: the earliest on ties),
+    or None when no row has one (SPEC §7: summaries give the best evaluated round and the last)."""
+    found = [(row[key], row["round"]) for row in rows if isinstance(row.get(key), (int, float))]
+    return max(found, key=lambda v: (v[0], -v[1])) if found else None
+
+
 def per_client_summary(correct: np.ndarray, total: np.ndarray, train_counts: np.ndarray, prefix: str,
                        group_of: Callable[[np.ndarray], dict[str, np.ndarray]] = class_groups,
                        worst_share: float = 0.1) -> dict:

@@ -49,11 +49,11 @@ from typing import Any
 import torch
 
 from fedlt import wire
-from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, SeededSession, Upload, failure_reason,
-                                       run_client)
+from fedlt.algorithms.protocol import (CLIENT_CALLS, ClientFailure, ClientResult, ClientTask, SeededSession, Upload,
+                                       failure_reason, run_client)
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError, first_line
-from fedlt.run.parts import client_data, rebuild
+from fedlt.run.parts import client_data, client_test_data, rebuild
 from fedlt.start_method import PRELOAD, main_not_rerun, process_context  # noqa: F401  (re-exported)
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
@@ -134,6 +134,15 @@ class _Worker:
         task = self.task(packed)
         return pack(run_client(self.prep.algorithm, task), f"result of client {task.cid}")
 
+    def evaluate(self, packed: Packed) -> Packed:
+        """An EvalTask with its client's test set (and training data, but for ``global_local``)
+        sliced here, as the main process slices them; its ClientScores."""
+        device = torch.device(self.prep.config.device)
+        task = unpack(packed, device)
+        data = None if task.mode == "global_local" else client_data(self.prep, task.cid, device)
+        task = dataclasses.replace(task, data=data, test=client_test_data(self.prep, task.cid, device))
+        return pack(CLIENT_CALLS["evaluate"](self.prep.algorithm, task), f"scores of client {task.cid}")
+
     def session_ops(self, exchange_id: int, ops: list[tuple[int, str, Any]], tolerate: bool = False) -> list[Any]:
         """Run the ops (session id, open | backward | forward | finish, argument) in order;
         the outputs of forward and finish, packed, None for the others. ``tolerate``: a session
@@ -194,6 +203,8 @@ def worker_main(conn: Connection) -> None:
                 reply = worker.bind(*args)
             elif kind == "call":
                 reply = worker.call(*args)
+            elif kind == "evaluate":
+                reply = worker.evaluate(*args)
             elif kind == "sessions":
                 reply = worker.session_ops(*args)
             elif kind == "die":  # tests: a worker that dies in the middle of its work
@@ -305,7 +316,8 @@ class WorkerPool:
         if self.binding is not None and self.binding[0] == key:
             return
         self.binding = None
-        binding = (key, config.model_dump_json(), partition, shared_train_set(data))
+        binding = (key, config.model_dump_json(), partition,
+                   shared_train_set(data, keep_test=config.client_test is not None))
         for i in range(self.size):
             self._send(i, ("bind", *binding))
         deadline = time.monotonic() + self.startup_wait
@@ -442,13 +454,17 @@ class WorkerPool:
         return self._receive(i, time.monotonic() + self.reply_wait, what)
 
 
-def shared_train_set(data: Any) -> Any:
+def shared_train_set(data: Any, keep_test: bool = False) -> Any:
     """The dataset with its training tensors in shared memory (what the workers slice clients
     from; images read from files cross as their paths, and each worker decodes its own clients')
-    and no test set (the main process evaluates): moved once, never copied per round."""
-    empty = lambda t: torch.empty((0, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
+    and no test set (the main process evaluates) unless ``keep_test`` (client test sets: a worker
+    draws them and tests its clients on them), then shared too: moved once, never copied per round."""
+    if keep_test:
+        x_test, y_test = images(data.x_test).shared(), images(data.y_test).shared()
+    else:
+        x_test, y_test = (torch.empty((0, *t.shape[1:]), dtype=t.dtype) for t in (data.x_test, data.y_test))
     return dataclasses.replace(data, x_train=images(data.x_train).shared(), y_train=images(data.y_train).shared(),
-                               x_test=empty(data.x_test), y_test=empty(data.y_test))
+                               x_test=x_test, y_test=y_test)
 
 
 class ParallelRunner:
@@ -499,6 +515,15 @@ class ParallelRunner:
         self._check_bound()
         self.exchanges += 1
         return ParallelSessions(self, list(tasks), self.exchanges)
+
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Each EvalTask in a free worker (which holds the client's data and test set: neither
+        travels), largest test set first; ClientScores (or ClientFailures) in task order."""
+        self._check_bound()
+        packed = [pack(dataclasses.replace(t, data=None, test=None), f"evaluation of client {t.cid}") for t in tasks]
+        sizes = [len(t.test.y) if t.test is not None else 0 for t in tasks]
+        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], message="evaluate", tolerate=self.tolerate)
+        return [r if isinstance(r, ClientFailure) else unpack(r, self.device) for r in replies]
 
 
 class ParallelSessions:

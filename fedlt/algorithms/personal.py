@@ -22,19 +22,27 @@ stream of its own (never the training round's).
 
 from __future__ import annotations
 
+import copy
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
 
 from fedlt import wire
-from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.base import ClientData, LocalSchedule, LossExpression, upcast
 from fedlt.algorithms.fedavg_family import ClientUpdate
-from fedlt.algorithms.protocol import ClientTask
+from fedlt.algorithms.protocol import CLIENT_CALLS, ClientTask
 from fedlt.context import RoundContext
+from fedlt.errors import FedltError
+from fedlt.models import eval_mode
+from fedlt.spec import numbers_are_numbers
 
 State = dict[str, torch.Tensor]
 EvalMode = Literal["global_local", "personal", "finetune"]
@@ -60,6 +68,7 @@ class EvalTask:
     test: ClientData | None = None
     schedule: LocalSchedule | None = None  # finetune: the local schedule (epochs = E)
     objective: str = "ce"  # finetune: the local objective
+    eval_batch: int = 2048  # test samples per no-grad forward
 
     @property
     def round_index(self) -> int:
@@ -116,3 +125,130 @@ def finetune(model: nn.Module, task: EvalTask, update: ClientUpdate | None = Non
         torch.manual_seed(stream_seed(task.context.sampling_seed, task.round_index, task.cid, "finetune-rng"))
         (update or FinetuneUpdate())(work, model)
     return model
+
+
+# -- the modes, as a run configures them (``client_eval``) ----------------------------------------
+class EvalModeSpec(BaseModel):
+    """A per-client evaluation mode; its parameters are the model's fields, validated at the config
+    boundary. ``name``: the mode's name in an EvalTask (the prefix of its row fields)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: ClassVar[str] = "mode"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class GlobalLocal(EvalModeSpec):
+    """The global model on each client's test set."""
+
+    name: ClassVar[str] = "global_local"
+
+
+class Personal(EvalModeSpec):
+    """Each client's personal model (``algorithm.personal_model(task)``; the global model for an
+    algorithm that keeps none) on its test set."""
+
+    name: ClassVar[str] = "personal"
+
+
+class Finetune(EvalModeSpec):
+    """The global model fine-tuned ``epochs`` local epochs on the client's training data with the
+    run's local optimiser settings and ``loss`` (a fresh objective), then tested; nothing is kept."""
+
+    name: ClassVar[str] = "finetune"
+    epochs: int = Field(1, ge=1, le=1000, description="local epochs of fine-tuning")
+    loss: LossExpression = Field("ce", description="the fine-tuning objective, a loss expression (SPEC §2)")
+
+
+MODES: dict[str, type[EvalModeSpec]] = {m.name: m for m in (GlobalLocal, Personal, Finetune)}  # EVAL_MODES' order
+
+
+def eval_mode_of(spec: dict[str, Any]) -> EvalModeSpec:
+    """The mode a ``{"name": ..., **params}`` spec names, validated; a FedltError naming the
+    valid modes or the bad parameter otherwise."""
+    params = dict(spec)
+    name = params.pop("name", None)
+    if name not in MODES:
+        raise FedltError(f"unknown per-client evaluation mode {name!r} (valid: {', '.join(MODES)})")
+    try:
+        return MODES[name](**params)
+    except Exception as exc:  # pydantic's ValidationError: its first error, one line
+        errors = getattr(exc, "errors", None)
+        detail = errors()[0] if callable(errors) else None
+        where = ".".join(str(p) for p in detail["loc"]) if detail and detail.get("loc") else ""
+        text = detail["msg"] if detail else str(exc).splitlines()[0]
+        raise FedltError(f"{name}: {where + ': ' if where else ''}{text}") from None
+
+
+# -- the client side: one client's scores --------------------------------------------------------
+def _global(algorithm: Any, task: EvalTask) -> Callable[[torch.Tensor], torch.Tensor]:
+    module = algorithm.global_model()  # its structure only: the task's weights are passed in, never loaded
+    return lambda x: functional_call(module, task.weights, (x,))
+
+
+def _personal(algorithm: Any, task: EvalTask) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
+    build = getattr(algorithm, "personal_model", None)
+    return _global(algorithm, task) if build is None else build(task)
+
+
+def _finetuned(algorithm: Any, task: EvalTask) -> nn.Module:
+    """A copy of the global model (split learning: the joined model; a head family: with its head)
+    holding the task's weights, fine-tuned by :func:`finetune` (the client's "finetune" stream)."""
+    if task.data is None or task.schedule is None:
+        raise FedltError(f"client {task.cid}: a finetune evaluation needs the client's training data and schedule")
+    model = copy.deepcopy(algorithm.global_model())
+    model.load_state_dict(task.weights)
+    return finetune(model, task)
+
+
+MODEL_OF: dict[str, Callable[[Any, EvalTask], Any]] = {"global_local": _global, "personal": _personal,
+                                                         "finetune": _finetuned}
+
+
+@torch.no_grad()
+def score(model: Callable[[torch.Tensor], torch.Tensor], test: ClientData, num_classes: int, cid: int,
+          batch: int) -> ClientScores:
+    """Per-class correct and total counts and the summed cross-entropy of ``model`` on ``test``,
+    in no-grad batches of ``batch`` on the test data's device, with one host synchronisation."""
+    device = test.y.device
+    correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    for idx in torch.arange(len(test), device=test.index_device).split(batch):
+        x, y = test.take(idx)
+        logits = upcast(model(x.to(device)))
+        hit = logits.argmax(1) == y
+        correct += torch.bincount(y[hit], minlength=num_classes)
+        loss += F.cross_entropy(logits.double(), y, reduction="sum")
+    total = torch.bincount(test.y, minlength=num_classes)
+    packed = torch.cat([correct.double(), total.double(), loss.view(1)]).cpu()  # exact: counts < 2**53
+    counts = packed[:-1].to(torch.int64)
+    return ClientScores(cid, counts[:num_classes], counts[num_classes:], float(packed[-1]))
+
+
+def evaluate_client(algorithm: Any, task: EvalTask) -> ClientScores:
+    """Client ``task.cid``'s scores for ``task.mode`` on its own test set (``task.test``):
+    ``global_local`` (the global weights), ``personal`` (``algorithm.personal_model(task)`` if the
+    algorithm defines it, else the global weights) or ``finetune`` (see ``_finetuned``). Runs in
+    a random stream of its own (never a training round's) and changes no state: the global model
+    is only read (its weights are the task's), a fine-tune trains a copy."""
+    if task.mode not in MODEL_OF:
+        raise FedltError(f"unknown per-client evaluation mode {task.mode!r} (valid: {', '.join(MODEL_OF)})")
+    if task.test is None:
+        raise FedltError(f"client {task.cid} has no test set here (client_test)")
+    seed = stream_seed(task.context.sampling_seed, task.round_index, task.cid, "evaluate")
+    devices = [task.test.y.device] if task.test.y.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = MODEL_OF[task.mode](algorithm, task)
+        modules = [m for m in (model, algorithm.global_model()) if isinstance(m, nn.Module)]
+        with eval_mode(*modules):
+            return score(model, task.test, task.context.num_classes, task.cid, task.eval_batch)
+
+
+CLIENT_CALLS["evaluate"] = evaluate_client  # what every runner's ``evaluate`` runs per task

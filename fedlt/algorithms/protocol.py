@@ -24,7 +24,7 @@ order in which clients run. Client work gets its own copies of the tensors it re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -125,6 +125,10 @@ class ClientRunner(Protocol):
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]: ...
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions: ...
+    # per-client evaluation (fedlt.algorithms.personal): EvalTasks -> ClientScores | ClientFailure,
+    # in task order, run where each client's data lives; optional (the evaluator runs a runner
+    # without it in this process)
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]: ...
 
 
 # -- randomness and isolation, shared by every engine ------------------------------------------------
@@ -173,11 +177,13 @@ def copy_tensors(value: Any) -> Any:
     return value
 
 
-def isolated(task: ClientTask) -> ClientTask:
-    """The task with its own copies of what it shares with the server (the global weights, the
-    strategy's payload, the store's state, the round context); its data is already its own."""
-    return dataclasses.replace(task, context=copy_tensors(task.context), weights=copy_tensors(task.weights),
-                               state=copy_tensors(task.state), payload=copy_tensors(task.payload))
+def isolated(task: Any) -> Any:
+    """The task (a ClientTask or an EvalTask) with its own copies of what it shares with the server
+    (the global weights, the strategy's payload, the store's state, the round context); its data
+    is already its own."""
+    shared = ("context", "weights", "state", "payload")
+    return dataclasses.replace(task, **{name: copy_tensors(getattr(task, name)) for name in shared
+                                        if hasattr(task, name)})
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -206,6 +212,12 @@ def _with_injected_nan(task: ClientTask, result: ClientResult) -> ClientResult:
         result.weights = {k: v.float().fill_(float("nan")).to(v.dtype) if v.is_floating_point() else v
                           for k, v in result.weights.items()}
     return result
+
+
+# The kinds of one-call client work a runner runs, by name: fn(algorithm, task). "evaluate" is
+# installed by fedlt.algorithms.personal (imported with fedlt.algorithms), which this module
+# cannot import: its fine-tune runs the FedAvg family's client loop, which imports this module.
+CLIENT_CALLS: dict[str, Callable[[Any, Any], Any]] = {"work": run_client}
 
 
 class SeededSession:
@@ -316,6 +328,30 @@ class LocalRunner:
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
         return LocalSessions(algorithm, tasks, self.tolerate)
+
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Each EvalTask's ClientScores (fedlt.algorithms.personal.evaluate_client), one client
+        after another on its own copies; under ``tolerate`` a failure becomes a ClientFailure."""
+        return [evaluate_here(algorithm, t, self.tolerate) for t in tasks]
+
+
+def evaluate_with(runner: Any, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+    """``runner.evaluate(algorithm, tasks)``; a runner without one (a user's own) has its clients'
+    evaluations run in this process."""
+    evaluate = getattr(runner, "evaluate", None)
+    if evaluate is not None:
+        return evaluate(algorithm, tasks)
+    return [evaluate_here(algorithm, t, bool(getattr(runner, "tolerate", False))) for t in tasks]
+
+
+def evaluate_here(algorithm: Any, task: Any, tolerate: bool) -> Any:
+    """One EvalTask run in this process (a worker process and a Flower node run this too)."""
+    if not tolerate:
+        return CLIENT_CALLS["evaluate"](algorithm, isolated(task))
+    try:
+        return CLIENT_CALLS["evaluate"](algorithm, isolated(task))
+    except Exception as exc:  # noqa: BLE001  (a client whose evaluation fails is reported, not fatal)
+        return ClientFailure(task.cid, failure_reason(exc))
 
 
 class ClientStates:

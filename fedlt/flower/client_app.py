@@ -17,12 +17,16 @@ the algorithm's class):
   (``forward``), or, when ``finish`` is set, the result (``finish``). Between messages the
   session — the replica's weights, its optimiser's momentum, how far its batch stream and its
   random stream have gone — is kept in the node's ``context.state``, never sent.
+- ``evaluate``: federated evaluation (issue 32): an EvalTask without data; the node slices its
+  client's test set (``client_test``) and training data from its own parts and answers with the
+  ClientScores (fedlt.algorithms.personal.evaluate_client).
 
 Both run the client in its own random stream (``fedlt.algorithms.protocol``), as the local engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import SeededSession, run_client
+from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession, run_client
 from fedlt.errors import FedltError
 from fedlt.flower import codec
 from fedlt.run import parts
@@ -57,6 +61,19 @@ def client_data(prep, cid: int, context: Context) -> ClientData:
     if cid != held:
         raise FedltError(f"a task for client {cid} reached the node holding partition {held}")
     return parts.client_data(prep, cid, torch.device(prep.config.device))
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    content = message.content
+    prep = prepared(content["run"], context)
+    device = torch.device(prep.config.device)
+    task = codec.value(content, device)
+    data = client_data(prep, _cid(content), context)  # also checks the node holds this client
+    task = dataclasses.replace(task, data=None if task.mode == "global_local" else data,
+                               test=parts.client_test_data(prep, task.cid, device))
+    return Message(codec.content(CLIENT_CALLS["evaluate"](prep.algorithm, task), f"scores of client {task.cid}"),
+                   reply_to=message)
 
 
 @app.query("partition")

@@ -2,7 +2,8 @@
 as Flower messages through the Grid. The algorithm's round logic is not repeated here: the loop
 calls ``algorithm.train_round(..., runner)`` with ``FlowerRounds`` as the runner, and the
 algorithm asks it for one-call work (``call``: one ``train`` message per participant) or for
-sessions (``exchange``: ``train.step`` messages), whatever its class.
+sessions (``exchange``: ``train.step`` messages), whatever its class; the loop's per-client
+evaluation (``evaluate``) is Flower's federated evaluation: one ``evaluate`` message per client.
 
 Deployed (``flwr run``), the app reads its run from the run config: ``config`` (a fedlt config
 file on the server machine, TOML / YAML / JSON, as ``fedlt run --config``), optional ``resume``
@@ -12,6 +13,7 @@ SuperNodes to connect, default 120).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Sequence
@@ -67,6 +69,18 @@ class FlowerRounds:
         self.round_index = tasks[0].round_index if tasks else self.round_index
         self.nodes()
         return FlowerSessions(self, list(tasks))
+
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Federated evaluation: one ``evaluate`` message per EvalTask (without its data and test
+        set: the node slices its own), its ClientScores back (or a ClientFailure)."""
+        self.nodes()
+        contents = []
+        for t in tasks:
+            content = codec.content(dataclasses.replace(t, data=None, test=None), f"evaluation of client {t.cid}")
+            content["client"] = ConfigRecord({"cid": t.cid})
+            contents.append((t.cid, content))
+        replies = self.send("evaluate", contents)
+        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in replies]
 
     # -- messages --------------------------------------------------------------------------------
     def nodes(self) -> dict[int, int]:

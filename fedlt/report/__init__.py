@@ -12,14 +12,14 @@ fedlt.report import load_runs, render_study, ...``).
 
 from fedlt.report.formats import (csv_cell, format_stat, latex_escape, markdown_escape, render_study,
                                   study_table)
-from fedlt.report.plots import STUDY_PLOTS, plot_accuracy, plot_per_class, plot_study, write_plots
-from fedlt.report.runs import (NUMBER_FIELDS, Run, load_run, load_runs, participation_table, read_runs, rows,
-                               table)
+from fedlt.report.plots import STUDY_PLOTS, plot_accuracy, plot_per_class, plot_per_client, plot_study, write_plots
+from fedlt.report.runs import (NUMBER_FIELDS, Run, load_run, load_runs, participation_table, per_client_rows,
+                               per_client_table, read_runs, rows, table)
 from fedlt.report.study import (DECIMALS, FORMATS, RUN_METRICS, STUDY_METRICS, Cell, Reference, aggregate,
                                 check_metrics, is_study, layout, load_study, metric_value, read_reference)
 
 __all__ = ["Cell", "DECIMALS", "FORMATS", "NUMBER_FIELDS", "RUN_METRICS", "Reference", "Run", "STUDY_METRICS", "STUDY_PLOTS",
            "aggregate", "check_metrics", "csv_cell", "format_stat", "is_study", "latex_escape", "layout",
-           "load_run", "load_runs", "load_study", "markdown_escape", "metric_value", "participation_table",
-           "plot_accuracy", "plot_per_class", "plot_study", "read_reference", "read_runs", "render_study", "rows",
+           "load_run", "load_runs", "load_study", "markdown_escape", "metric_value", "participation_table", "per_client_rows", "per_client_table",
+           "plot_accuracy", "plot_per_class", "plot_per_client", "plot_study", "read_reference", "read_runs", "render_study", "rows",
            "study_table", "table", "write_plots"]

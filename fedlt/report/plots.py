@@ -6,6 +6,9 @@ pyplot state; matplotlib is imported only when a figure is drawn).
 - ``per_class.png``: the final per-class accuracy, as grouped bars; beyond ``MAX_BARS`` classes
   as lines over at most ``MAX_POINTS`` bins of classes (each bin's mean), so a long per-class list
   draws in bounded time;
+- ``per_client.png`` (runs with per-client modes, SPEC §7): each mode's mean accuracy over
+  clients per evaluated round, beside a box per run and mode of the last evaluated round's
+  per-client accuracies (their spread: the minimum and worst clients the mean hides);
 - ``partition-<run>.png``: each run's clients × classes count heatmap (``fedlt.plots``).
 
 Labels are copied as text (a ``$`` is escaped: never read as mathtext). The files are written
@@ -25,7 +28,7 @@ import numpy as np
 from fedlt import outputs
 from fedlt.errors import FedltError
 from fedlt.plots import new_figure, partition_heatmap
-from fedlt.report.runs import Run
+from fedlt.report.runs import Run, modes_of
 from fedlt.report.study import Cell
 
 from fedlt import outputs
@@ -127,6 +130,39 @@ def plot_per_class(runs: list[Run], path: Path) -> Path:
     return _per_class_axes(series, "per-class accuracy", path)
 
 
+def plot_per_client(runs: list[Run], path: Path) -> Path:
+    """Left: each (run, mode)'s mean per-client accuracy per evaluated round (dashed: weighted by
+    test-set size); right: a box per (run, mode) of the last evaluated round's client accuracies."""
+    from matplotlib.ticker import MaxNLocator
+
+    shown = [(run, mode) for run in runs for mode in modes_of(run)]
+    fig = new_figure(12, 4.4)
+    curves, boxes = fig.subplots(1, 2, width_ratios=[3, 2])
+    spreads, labels = [], []
+    for run, mode in shown:
+        rows = [r for r in run.metrics if r.get(f"{mode}_mean") is not None]
+        x = [r["round"] for r in rows]
+        marker = "o" if len(x) <= 30 else None
+        line, = curves.plot(x, [100 * r[f"{mode}_mean"] for r in rows], marker=marker, markersize=3,
+                            label=_text(f"{run.label}: {mode}"))
+        curves.plot(x, [_pct_or_nan(r.get(f"{mode}_mean_weighted")) for r in rows], linestyle="--",
+                    color=line.get_color())
+        last = next((r for r in reversed(run.metrics) if r.get(f"{mode}_client_accuracy")), {})
+        spreads.append(_percent([a for a in last.get(f"{mode}_client_accuracy", []) if a is not None]))
+        labels.append(_text(f"{run.label}\n{mode} (r{last.get('round', '–')})"))
+    curves.set_xlabel("round")
+    curves.set_ylabel("mean client accuracy (%)")
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _style(curves, "per-client accuracy, mean over clients (dashed: weighted by test size)", legend=False)
+    curves.legend(fontsize=7, loc="best")
+    boxes.boxplot(spreads, showmeans=True)
+    boxes.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
+    boxes.set_ylabel("client accuracy (%), last evaluated round")
+    boxes.set_ylim(0, 100)
+    _style(boxes, "per-client distribution", legend=False)
+    return _save(fig, path)
+
+
 def _file_label(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
 
@@ -134,6 +170,8 @@ def _file_label(label: str) -> str:
 def plot_names(runs: list[Run]) -> dict[str, Run | None]:
     """The files ``write_plots`` writes: name -> the run whose partition it shows (None: all runs)."""
     names: dict[str, Run | None] = {"accuracy.png": None, "per_class.png": None}
+    if any(modes_of(run) for run in runs):
+        names["per_client.png"] = None
     for run in runs:
         if run.manifest is None or "class_counts" not in run.manifest:
             continue
@@ -151,6 +189,8 @@ def write_plots(runs: list[Run], folder: str | Path, force: bool = False) -> lis
     names = plot_names(runs)
     outputs.check([folder / n for n in names], "--plot", force=force)
     written = [plot_accuracy(runs, folder / "accuracy.png"), plot_per_class(runs, folder / "per_class.png")]
+    if "per_client.png" in names:
+        written.append(plot_per_client(runs, folder / "per_client.png"))
     for name, run in names.items():
         if run is None:
             continue

@@ -46,6 +46,10 @@ NUMBER_FIELDS = ("balanced_accuracy", "loss", "train_loss", "many_accuracy", "me
                  "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
 
 
+PER_CLIENT_MODES = ("global_local", "personal", "finetune")  # SPEC §7's per-client modes, the prefixes of their fields
+PER_CLIENT_SHOWN = ("mean", "mean_weighted", "min", "worst10", "std", "many", "medium", "few")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -62,6 +66,13 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     for key in NUMBER_FIELDS:
         if row.get(key) is not None and not _is_number(row[key]):
             raise FedltError(f"{where}: {key!r} is {row[key]!r}, not a number")
+    for mode in PER_CLIENT_MODES:
+        for key in PER_CLIENT_SHOWN:
+            if row.get(f"{mode}_{key}") is not None and not _is_number(row[f"{mode}_{key}"]):
+                raise FedltError(f"{where}: '{mode}_{key}' is {row[f'{mode}_{key}']!r}, not a number")
+        spread = row.get(f"{mode}_client_accuracy")
+        if spread is not None and (not isinstance(spread, list) or not all(a is None or _is_number(a) for a in spread)):
+            raise FedltError(f"{where}: '{mode}_client_accuracy' is not a list of numbers")
     per_class = row.get("per_class_accuracy")
     if per_class is not None and (not isinstance(per_class, list)
                                   or not all(a is None or _is_number(a) for a in per_class)):
@@ -218,6 +229,54 @@ def table(runs: list[Run]):
         t.add_row(Text(r["run"]), Text(str(r["algorithm"])), Text(str(r["dataset"])), rounds, _pct(r["final_accuracy"]),
                   f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
                   _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall)
+    return t
+
+
+def modes_of(run: Run) -> list[str]:
+    """The per-client modes (SPEC §7) a run's evaluated rows hold."""
+    return [m for m in PER_CLIENT_MODES if any(_is_number(r.get(f"{m}_mean")) for r in run.metrics)]
+
+
+def per_client_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One dict per run and per-client mode: each field's last value (``<key>``) and its best over
+    the evaluated rounds (``best_<key>``, ``best_<key>_round``; the std aside, where lower is not
+    "best")."""
+    out = []
+    for run in runs:
+        for mode in modes_of(run):
+            row: dict[str, Any] = {"run": run.label, "mode": mode, "round": run.final["round"]}
+            for key in PER_CLIENT_SHOWN:
+                row[key] = run.final.get(f"{mode}_{key}")
+                if key == "std":
+                    continue
+                found = [(r[f"{mode}_{key}"], r["round"]) for r in run.metrics if _is_number(r.get(f"{mode}_{key}"))]
+                best = max(found, key=lambda v: (v[0], -v[1])) if found else (None, None)
+                row[f"best_{key}"], row[f"best_{key}_round"] = best
+            out.append(row)
+    return out
+
+
+def per_client_table(runs: list[Run]):
+    """A rich Table of the runs' per-client numbers (accuracies in %), last and best; None when no
+    run has any."""
+    from rich.table import Table
+    from rich.text import Text
+
+    found = per_client_rows(runs)
+    if not found:
+        return None
+    t = Table(title="per-client accuracy over each client's own test set (in %; last, and best (round))")
+    for name in ("run", "mode"):
+        t.add_column(name, no_wrap=True)
+    for name in ("mean", "weighted", "min", "worst 10%", "std", "many", "medium", "few"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in found:
+        cells = []
+        for key in PER_CLIENT_SHOWN:
+            last = _pct(r[key])
+            best = r.get(f"best_{key}")
+            cells.append(last if key == "std" or best is None else f"{last} / {_pct(best)} ({r[f'best_{key}_round']})")
+        t.add_row(Text(r["run"]), Text(r["mode"]), *cells)
     return t
 
 

@@ -1,5 +1,6 @@
 """A round's evaluation: the global model's test metrics (and its post-hoc calibrations'), run
-inline or overlapped by one ``Evaluator``.
+inline or overlapped by one ``Evaluator``; and each client's own numbers (``ClientEvaluation``,
+SPEC §7: the ``client_eval`` modes on the ``client_test`` sets), run inline through the runner.
 
 Overlapped (a runner whose clients work elsewhere: fedlt.parallel), round r's global model is
 evaluated on a copy in a thread while round r+1 trains; its row is finished once that round has
@@ -12,6 +13,7 @@ May import: the bottom layer, the components (metrics, posthoc) and the algorith
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,8 +23,12 @@ import numpy as np
 import torch
 
 import fedlt.posthoc
-from fedlt.algorithms.base import NonFiniteLoss
-from fedlt.metrics import evaluate
+from fedlt.algorithms.base import ClientData, NonFiniteLoss
+from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of
+from fedlt.algorithms.protocol import ClientFailure, ClientStates, evaluate_with
+from fedlt.algorithms.split import classifier_of
+from fedlt.metrics import evaluate, per_client_summary
+from fedlt.run.parts import client_data, client_test_data, group_classes
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
 POSTHOC_KEYS = ("accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy", "few_accuracy")
@@ -47,6 +53,98 @@ def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.
                         config.eval_batch, device)
         scores.update({f"{name}_{k}": more[k] for k in POSTHOC_KEYS if k in more})
     return scores, time.perf_counter() - began
+
+
+EVAL_CLIENTS_SALT = 0xE7A1  # the stream of the client_eval_fraction sample
+CHUNK = 64  # EvalTasks built and sent at a time: the clients' data slices held at once stay bounded
+
+
+def eval_clients(num_clients: int, fraction: float, sampling_seed: int) -> list[int]:
+    """The clients given the per-client modes: all, or round(fraction·K) of them (at least one),
+    the same in every round, drawn from a stream of the sampling seed's own."""
+    if fraction >= 1:
+        return list(range(num_clients))
+    m = max(int(round(fraction * num_clients)), 1)
+    rng = np.random.default_rng([sampling_seed, EVAL_CLIENTS_SALT])
+    return sorted(rng.choice(num_clients, m, replace=False).tolist())
+
+
+class ClientEvaluation:
+    """Each evaluated client's numbers for each ``client_eval`` mode (SPEC §7), through the runner
+    (``runner.evaluate``: where the client's data and state live), the store only read.
+
+    Row fields per mode ``<mode>_``: ``per_client_summary``'s (mean_weighted, mean, std, min,
+    worst10, many / medium / few by the client's own training counts, clients), ``loss`` (the mean
+    test cross-entropy over all the clients' test samples), ``client_accuracy`` (each client's
+    accuracy, in client order; ``client_ids`` beside it when not every client is there) and
+    ``failed`` (client -> why) when a tolerant runner lost some."""
+
+    def __init__(self, prep: Any, runner: Any, states: ClientStates,
+                 source: tuple[Any, torch.Tensor] | None = None) -> None:
+        config = prep.config
+        self.prep, self.runner, self.states, self.source = prep, runner, states, source
+        self.modes: list[EvalModeSpec] = [eval_mode_of(spec) for spec in config.client_eval_modes()]
+        self.clients = eval_clients(config.clients, config.client_eval_fraction, config.seeds.sampling)
+        self.device = torch.device(config.device)
+
+    def __bool__(self) -> bool:
+        return bool(self.modes)
+
+    def __call__(self, number: int) -> dict[str, Any]:
+        """The fields of round ``number`` (its global model and the clients' states at its end)."""
+        model = self.prep.algorithm.global_model()
+        weights, classifier = model.state_dict(), classifier_of(model)
+        row: dict[str, Any] = {}
+        done: dict[EvalModeSpec, list[Any]] = {}
+        for mode in self.modes:
+            run = self.runs_as(mode)
+            if run not in done:
+                done[run] = []
+                for start in range(0, len(self.clients), CHUNK):
+                    tasks = [self.task(run, cid, number - 1, weights, classifier)
+                             for cid in self.clients[start:start + CHUNK]]
+                    done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+            row.update(self.fields(mode.name, done[run]))
+        return row
+
+    def runs_as(self, mode: EvalModeSpec) -> EvalModeSpec:
+        """The mode whose tasks give ``mode``'s scores: ``personal`` of an algorithm that keeps no
+        personal model is ``global_local`` (the same model, by definition: evaluated once)."""
+        if mode.name == "personal" and getattr(self.prep.algorithm, "personal_model", None) is None:
+            return GlobalLocal()
+        return mode
+
+    def task(self, mode: EvalModeSpec, cid: int, r: int, weights: dict, classifier: torch.Tensor | None) -> EvalTask:
+        prep, ctx = self.prep, self.prep.ctx
+        probe = ClientData(cid, torch.empty(0), torch.empty(0), prep.counts[cid].to(self.device))
+        trains = mode.name == "finetune"
+        schedule = (dataclasses.replace(ctx.schedule(ctx.batch_size), batch=ctx.batch_size, iters=None,
+                                        epochs=mode.epochs) if trains else None)
+        return EvalTask(cid, ctx.round(r, [probe], classifier), weights,
+                        self.states.get(cid) if mode.name == "personal" else {}, mode.name,
+                        data=client_data(prep, cid, self.device, self.source) if mode.name != "global_local" else None,
+                        test=client_test_data(prep, cid, self.device, self.source), schedule=schedule,
+                        objective=getattr(mode, "loss", "ce"), eval_batch=prep.config.eval_batch)
+
+    def fields(self, prefix: str, outcomes: list[Any]) -> dict[str, Any]:
+        scored = [o for o in outcomes if isinstance(o, ClientScores)]
+        num_classes = self.prep.ctx.num_classes
+        empty = np.zeros((0, num_classes), np.int64)
+        correct = np.stack([o.correct.cpu().numpy() for o in scored]) if scored else empty
+        total = np.stack([o.total.cpu().numpy() for o in scored]) if scored else empty
+        cids = [o.cid for o in scored]
+        out = per_client_summary(correct, total, self.prep.counts.numpy()[cids], prefix,
+                                 group_of=lambda n: group_classes(n, self.prep.config))
+        sizes = total.sum(1)
+        out[f"{prefix}_loss"] = float(sum(o.loss_sum for o in scored) / sizes.sum()) if sizes.sum() else None
+        out[f"{prefix}_client_accuracy"] = [round(float(c / n), 6) if n else None
+                                            for c, n in zip(correct.sum(1), sizes)]
+        if cids != list(range(self.prep.config.clients)):
+            out[f"{prefix}_client_ids"] = cids
+        failed = {str(o.cid): o.reason for o in outcomes if isinstance(o, ClientFailure)}
+        if failed:
+            out[f"{prefix}_failed"] = failed
+        return out
 
 
 @dataclass
@@ -74,9 +172,9 @@ class Evaluator:
     next round's training. ``submit`` returns the rows finished now, ``settle`` the one whose
     evaluation was still running (each at most once, in round order)."""
 
-    def __init__(self, prep: Any, overlapped: bool) -> None:
-        self.prep = prep
-        self.client_counts = prep.counts.numpy() if prep.config.client_eval else None
+    def __init__(self, prep: Any, overlapped: bool, clients: ClientEvaluation | None = None) -> None:
+        self.prep, self.clients = prep, clients
+        self.client_counts = prep.counts.numpy() if prep.config.client_eval_expected() else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fedlt-eval") if overlapped else None
         self.pending: _Pending | None = None
 
@@ -89,6 +187,10 @@ class Evaluator:
         now). Overlapped and not the last round: evaluated on a copy in the thread (None is
         returned; ``snapshot()`` gives the states to checkpoint with it, when one is due)."""
         model = self.prep.algorithm.global_model()
+        if evaluated and self.clients:  # inline, before the next round moves the model and the store on
+            began = time.perf_counter()
+            row.update(self.clients(number))
+            row["client_eval_s"] = round(time.perf_counter() - began, 4)
         if evaluated and self.pool is not None and number < self.prep.config.rounds:
             held = snapshot() if snapshot is not None else None
             future = self.pool.submit(self.scores, copy.deepcopy(model), number)  # fixed while the next round trains

@@ -43,8 +43,9 @@ from fedlt.config import RunConfig
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
+from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
-from fedlt.run.evaluation import Evaluator, Finished
+from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
 from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore
 from fedlt.run.signals import RunStopped, stop_on_signal
 
@@ -77,7 +78,8 @@ class RoundLoop:
         self.faults_possible = (config.faults.on_failure == "drop" or self.availability.acts
                                 or config.faults.round_timeout is not None)
         self.source = (images(prep.data.x_train).to(self.device), prep.data.y_train.to(self.device))
-        self.evaluator = Evaluator(prep, overlapped=bool(getattr(runner, "overlaps_evaluation", False)))
+        self.evaluator = Evaluator(prep, overlapped=bool(getattr(runner, "overlaps_evaluation", False)),
+                                   clients=ClientEvaluation(prep, self.policy, state.client_states, self.source))
         self.trained = state.round  # rounds trained; one ahead of state.round while a round is evaluated
 
     def run(self) -> None:
@@ -237,7 +239,7 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
     io.write_json(out / "config.json", config.model_dump(mode="json"))
     if not resume:
-        io.write_json(out / "partition.json", prep.partition.manifest)
+        io.write_json(out / "partition.json", prep.manifest())
         prep.partition.save(out / "partition.npz")
     io.write_lines(out / "metrics.jsonl", state.metrics)  # on resume: drop lines written after the checkpoint
     (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is rewritten at its end
@@ -293,4 +295,19 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
                  | {"per_class_accuracy": final["per_class_accuracy"]},
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
-    }
+    } | per_client_summaries(evaluated, config)
+
+
+def per_client_summaries(evaluated: list[dict[str, Any]], config: RunConfig) -> dict[str, Any]:
+    """Each ``client_eval`` mode's numbers (SPEC §7) in the last evaluated round and at their best
+    (each field's highest value over the evaluated rounds, with its round), as ``per_client``:
+    ``{mode: {"final": {key: value}, "best": {key: {"value": v, "round": r}}}}``."""
+    modes = [m["name"] for m in config.client_eval_modes()]
+    if not modes:
+        return {}
+    out: dict[str, Any] = {}
+    for mode in modes:
+        final = {k: evaluated[-1].get(f"{mode}_{k}") for k in PER_CLIENT_KEYS}
+        best = {k: found for k in PER_CLIENT_HIGHER if (found := best_of(evaluated, f"{mode}_{k}")) is not None}
+        out[mode] = {"final": final, "best": {k: {"value": v, "round": r} for k, (v, r) in best.items()}}
+    return {"per_client": out}

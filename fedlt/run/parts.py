@@ -22,6 +22,7 @@ import torch._dynamo  # noqa: F401  (torch imports it inside the first optimiser
 
 import fedlt.algorithms
 import fedlt.augment
+import fedlt.client_tests
 import fedlt.datasets
 import fedlt.partitioners
 from fedlt.algorithms.base import ClientData, RunContext
@@ -33,6 +34,7 @@ from fedlt.datasets.base import InMemoryDataset
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.metrics import class_groups
+from fedlt.partitioners.base import class_counts_of
 from fedlt.models.splitting import SPLITTERS, resolve_cut
 
 
@@ -94,6 +96,28 @@ class Prepared:
     groups: dict[str, np.ndarray]
     algorithm: Any
     ctx: RunContext
+    client_tests: fedlt.client_tests.ClientTestSets | None = None  # each client's own test set (client_test)
+
+    @property
+    def train_indices(self) -> list[np.ndarray]:
+        """Each client's training samples: the partition's, less what a ``holdout`` carved out."""
+        held = self.client_tests
+        return self.partition.client_indices if held is None or held.train_indices is None else held.train_indices
+
+    def manifest(self) -> dict[str, Any]:
+        """The partition manifest the run records: the partition's, with its client test sets
+        (each client's test part and, for ``holdout``, the training part it keeps)."""
+        extra = {} if self.client_tests is None else {"client_test": self.client_tests.manifest}
+        return self.partition.manifest | extra
+
+
+def make_client_tests(config: RunConfig, data: InMemoryDataset, partition: Any) -> Any:
+    """The run's client test sets (``client_test``), drawn from the data seed, or None."""
+    if config.client_test is None:
+        return None
+    spec = dict(config.client_test)
+    scheme = fedlt.client_tests.create(spec.pop("name"), **spec)
+    return scheme(partition, data.y_train.numpy(), data.y_test.numpy(), config.seeds.data)
 
 
 def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, counts: torch.Tensor,
@@ -123,7 +147,11 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
         data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
     if partition is None:
         partition = make_partition(config, data)
-    counts = torch.as_tensor(np.asarray(partition.class_counts), dtype=torch.int64)
+    client_tests = make_client_tests(config, data, partition)
+    counts = np.asarray(partition.class_counts)
+    if client_tests is not None and client_tests.train_indices is not None:  # holdout: trained on what is left
+        counts = class_counts_of(client_tests.train_indices, data.y_train.numpy(), counts.shape[1])
+    counts = torch.as_tensor(counts, dtype=torch.int64)
     if counts.shape[1] != data.num_classes:
         raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
     model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
@@ -134,7 +162,8 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
-    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx)
+    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx,
+                    client_tests)
 
 
 def rebuild(config_json: str, partition: Any, data: InMemoryDataset | None = None) -> Prepared:
@@ -155,8 +184,29 @@ def client_data(prep: Prepared, cid: int, device: torch.device, source: tuple[An
     ``device``; ``source``: the training set already on ``device`` (the main process moves it
     once), else the run's own (shared memory in a worker; images read from files are decoded here)."""
     x, y = source if source is not None else (prep.data.x_train, prep.data.y_train)
-    idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long, device=y.device)
+    idx = torch.as_tensor(prep.train_indices[cid], dtype=torch.long, device=y.device)
     return ClientData(cid, images(x).subset(idx).to(device), y[idx].to(device), prep.counts[cid].to(device))
+
+
+def client_test_data(prep: Prepared, cid: int, device: torch.device,
+                     source: tuple[Any, torch.Tensor] | None = None) -> ClientData:
+    """Client ``cid``'s test set (``client_test``) on ``device``, in the test set's evaluation form;
+    its ``class_counts`` are the test set's own. ``source``: the training set already on
+    ``device`` (a holdout's test part is carved from it)."""
+    held = prep.client_tests
+    if held is None:
+        raise FedltError("per-client evaluation needs client test sets: set client_test (docs/evaluation.md)")
+    if held.source == "test":
+        x, y = prep.data.x_test, prep.data.y_test
+    else:
+        x, y = source if source is not None else (prep.data.x_train, prep.data.y_train)
+    idx = torch.as_tensor(held.test_indices[cid], dtype=torch.long, device=y.device)
+    chosen = images(x).subset(idx)
+    pipeline = fedlt.augment.build(prep.ctx.augment)
+    if held.source == "train" and pipeline.changes_eval:  # training images, tested as the test set is
+        chosen = pipeline.eval_all(chosen)
+    counts = torch.as_tensor(held.class_counts[cid], dtype=torch.int64)
+    return ClientData(cid, images(chosen).to(device), y[idx].to(device), counts.to(device))
 
 
 def check_split_point(model: torch.nn.Module, config: RunConfig) -> None:

@@ -2,7 +2,10 @@
 
 For each algorithm, two rounds on a tiny MNIST subset on the local engine and in Flower's
 simulation must end with the same global weights, the same server-side state (aggregator
-moments, control variates, server optimiser, ...) and the same client states, contents compared
+moments, control variates, server optimiser, ...), the same client states and the same
+per-client numbers (``PERSONAL``: each client's matched test set under the global_local,
+personal and finetune modes, run where the client's state lives — Flower's federated
+evaluation; issue 32), contents compared
 (floating tensors within 1e-6 + 1e-5·|value|: a client's work runs in another process, whose
 kernels may round differently — measured up to 1.2e-6 on weights of SFL-LocalLoss; everything
 else exactly); and the Flower run's directory as a kill after round 1 leaves it, resumed with
@@ -24,11 +27,33 @@ from typing import Any
 
 from fedlt import io
 from fedlt.testing.algorithms import TINY, split_model_for
-from fedlt.testing.base import Contract, cut_after, differences, run_differences
+from fedlt.testing.base import Contract, cut_after, differences, metric_rows, run_differences
 
 __all__ = ["check_engines", "differences", "drop_pattern"]  # differences: also imported from here by older code
 
 Case = "str | tuple[str, dict[str, Any]]"
+
+# the per-client evaluation every contract run makes (SPEC §7), cheap: half the clients, 20 test
+# samples each; no fine-tune of AlexNet (a split algorithm's model: seconds a client on a CPU)
+PERSONAL = {"client_test": "matched(size=20)", "client_eval": ["global_local", "personal", "finetune(epochs=1)"],
+            "client_eval_fraction": 0.5}
+NO_FINETUNE = ["global_local", "personal"]
+
+
+def with_personal(base: dict[str, Any]) -> dict[str, Any]:
+    """A contract run's settings (its ``model`` resolved) with ``PERSONAL``'s per-client
+    evaluation where they set none; an AlexNet run without the fine-tune."""
+    out = PERSONAL | base
+    if out["model"] == "alexnet" and out["client_eval"] == PERSONAL["client_eval"]:
+        out["client_eval"] = NO_FINETUNE
+    return out
+PERSONAL_PREFIXES = ("global_local_", "personal_", "finetune_")
+
+
+def per_client_fields(run_dir: Any) -> dict[str, Any]:
+    """The per-client evaluation fields of a run's metrics rows, by round."""
+    return {f"round {r['round']}": {k: v for k, v in r.items() if k.startswith(PERSONAL_PREFIXES)}
+            for r in metric_rows(Path(run_dir))}
 
 
 def _label(name: str, params: dict[str, Any]) -> str:
@@ -52,7 +77,9 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
     simulation (see the module docstring). ``settings`` (for all cases, then a case's own)
     override :data:`fedlt.testing.algorithms.TINY`. With ``drops``, every run drops one sampled
     client in round 1 and another in round 2 (``drop_pattern``), and the client dropped in round 2
-    must keep exactly the state it had after round 1. ``resume``: check exact resume on Flower
+    must keep exactly the state it had after round 1. Every run evaluates each client (``PERSONAL``,
+    unless ``settings`` say otherwise) and the per-client fields must agree too; an exact resume
+    covers them. ``resume``: check exact resume on Flower
     for every case (True), none (False), or the algorithms named. Raises ContractError naming the
     algorithm, the property and the first differences."""
     import fedlt.algorithms
@@ -68,6 +95,7 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
             base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=2)
             base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+            base = with_personal(base)
             if drops:
                 base.update(drop_pattern(RunConfig(**base, out=Path(tmp) / "probe")))
             make = lambda where, **more: RunConfig(**{**base, **more, "out": Path(tmp) / f"{k}-{where}"})  # noqa: E731
@@ -89,6 +117,9 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
                 found = differences(ends["local"][part], ends["flower"][part], atol)
                 c.check(not found, "same answer on every engine",
                         f"{what} after 2 rounds differ between local and flower: {'; '.join(found[:3])}")
+            found = differences(per_client_fields(local.out), per_client_fields(flower.out), atol)
+            c.check(not found, "same per-client numbers on every engine",
+                    f"per-client evaluation fields differ between local and flower: {'; '.join(found[:3])}")
             if resume:
                 found = run_differences(flower.out, resumed.out)
                 c.check(not found, "exact resume on flower", "cut after round 1 (same settings) and resumed differs "

@@ -3,7 +3,8 @@
 For each algorithm, two rounds on a tiny MNIST subset with ``workers = 1`` (this process) and
 with N worker processes (``fedlt.parallel``) must end with the same global weights, server-side
 state and client states, compared exactly (no tolerance: every client is a function of its task),
-and the same metrics rows (wall-clock fields aside). The N-worker runs evaluate each round while
+and the same metrics rows (wall-clock fields aside), the per-client evaluation's included
+(``fedlt.testing.engines.PERSONAL``: each client's scores computed in the worker holding it). The N-worker runs evaluate each round while
 the next one trains and close rows from a snapshot: the checkpoint of every round is compared
 too, not only the last. All cases share ONE pool of workers (started once).
 
@@ -23,7 +24,7 @@ from typing import Any
 from fedlt import io
 from fedlt.testing.algorithms import TINY, split_model_for
 from fedlt.testing.base import Contract
-from fedlt.testing.engines import _label, differences
+from fedlt.testing.engines import _label, differences, with_personal
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -66,6 +67,7 @@ def check_parallel(cases: Sequence[Any], *, workers: int = 2, pool: Any = None, 
                 fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
                 base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=rounds)
                 base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+                base = with_personal(base)  # the per-client evaluation (issue 32), in the workers too
                 one = RunConfig(**base, out=Path(tmp) / f"{k}-one")
                 many = RunConfig(**base, workers=pool.size, out=Path(tmp) / f"{k}-many")
                 _run_keeping_checkpoints(one, LocalRunner(), Path(tmp) / f"{k}-one-kept")
