@@ -48,7 +48,7 @@ def state_files(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(ops=OPS, memory_bytes=st.sampled_from([0, 60, 400, 10**9]))
 def test_the_files_mode_answers_as_the_memory_store_and_checkpoints_name_their_files(ops, memory_bytes):
     reference = ClientStates()
