@@ -152,7 +152,7 @@ def test_files_mode_gives_the_memory_runs_numbers_and_writes_only_what_changed(u
 
 
 def test_a_stopped_scaffold_run_resumed_in_files_mode_equals_the_uninterrupted_one(uninterrupted, tmp_path):
-    out = tmp_path / "stopped"
+    out = tmp_path / "stopped"  # (with workers: tests/test_parallel.py, which has a pool running)
     run(scaffold(out, rounds=2))
     (out / "summary.json").unlink()
     run(scaffold(out, rounds=4), resume=True)
