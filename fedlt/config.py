@@ -264,6 +264,10 @@ class RunConfig(Strict):
     posthoc: list[str | dict[str, Any]] = Field(
         default_factory=list, description="post-hoc calibrations evaluated beside the model, e.g. ['tau_norm']")
     checkpoint_every: PositiveInt = Field(1, description="save a checkpoint every N rounds (and on SIGINT/SIGTERM)")
+    # the client-state store (fedlt.algorithms.client_states): above this many MiB of per-client state it
+    # keeps one file per client under out/client_states and checkpoints only what changed (docs/runs.md)
+    client_state_memory_mb: float = Field(512.0, ge=0, le=2**20, allow_inf_nan=False,
+                                          description="MiB of client states kept in memory; above: one file per client")
     eval_batch: PositiveInt = Field(2048, le=MAX_BATCH)
     out: Path = Path("runs/latest")
 

@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from fedlt.errors import FedltError
 LOCK_NAME = ".fedlt.lock"
 RUN_FILES = ("config.json", "partition.json", "partition.npz", "metrics.jsonl", "checkpoint.pt",
              "checkpoint.json", "summary.json", "flower.log")
+STATE_DIR = "client_states"  # the client-state store's files, when it keeps them on disk (fedlt.algorithms.client_states)
 # what fedlt.io._atomic and Partition.save name their temporary files: ".<target>.<random>.tmp"
 _LEFTOVER = re.compile(r"^\.(?:%s)\.[^/]+\.tmp$" % "|".join(re.escape(n) for n in RUN_FILES))
 
@@ -129,7 +131,7 @@ def check_file(path: Path, what: str) -> None:
 
 def holds_run(folder: Path) -> bool:
     """Whether ``folder`` holds (part of) a fedlt run."""
-    return any((Path(folder) / name).exists() for name in RUN_FILES)
+    return any((Path(folder) / name).exists() for name in (*RUN_FILES, STATE_DIR))
 
 
 def leftovers(folder: Path) -> list[Path]:
@@ -155,6 +157,7 @@ def discard_unstarted(out: Path) -> None:
         return
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)  # only the store writes there
     remove_leftovers(out)
 
 
@@ -204,7 +207,7 @@ def _refuse_foreign(out: Path) -> None:
     entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME and not _LEFTOVER.match(p.name))
     if not entries:
         return
-    if any(name in RUN_FILES for name in entries):
+    if any(name in RUN_FILES or name == STATE_DIR for name in entries):
         raise FedltError(f"output directory {out} already holds a run; use another --out, or --resume it")
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
     raise FedltError(f"output directory {out} holds files fedlt did not write ({shown}); "

@@ -177,6 +177,17 @@ def test_overlapped_evaluation_keeps_rows_order_and_times(pool, tmp_path):
     assert abs(sum(r["round_s"] for r in rows) - summary["wall_time_s"]) < 0.01
 
 
+def test_client_states_in_files_resume_exactly_with_workers(pool, tmp_path):
+    """The store stays in the main process: SCAFFOLD's states in files (client_state_memory_mb=0),
+    stopped after round 2 in one process and resumed with workers, ends as the run in one go."""
+    base = dict(TINY, algorithm="scaffold", model="mlp", rounds=4, client_state_memory_mb=0.0)
+    run(RunConfig(**base, out=tmp_path / "one"))
+    run(RunConfig(**base | {"rounds": 2}, out=tmp_path / "two"))
+    run(RunConfig(**base, workers=2, out=tmp_path / "two"), runner=ParallelRunner(pool), resume=True)
+    assert (tmp_path / "two" / "client_states").is_dir()
+    assert without_timings(tmp_path / "one") == without_timings(tmp_path / "two")
+
+
 def test_workers_on_the_command_line_and_across_a_resume(tmp_path):
     """--workers 2 through the CLI (the local engine's own pool), resumed with --workers 1: the
     run ends where an uninterrupted one-process run does; a bad count is one line, exit 2."""

@@ -35,6 +35,7 @@ import torch
 from fedlt import wire
 from fedlt.errors import first_line
 from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.client_states import ClientStates  # noqa: F401  (re-exported: algorithms import it from here)
 from fedlt.context import ModelSpec, RoundContext
 
 State = dict[str, torch.Tensor]
@@ -353,34 +354,3 @@ def evaluate_here(algorithm: Any, task: Any, tolerate: bool) -> Any:
     except Exception as exc:  # noqa: BLE001  (a client whose evaluation fails is reported, not fatal)
         return ClientFailure(task.cid, failure_reason(exc))
 
-
-class ClientStates:
-    """The engine's store of per-client persistent state (cid → nested dict of tensors).
-
-    Only clients that have state take memory: a client whose work returned ``{}`` has no entry,
-    so a 1000-client run where each round touches 10 stateless clients holds nothing here.
-    """
-
-    def __init__(self) -> None:
-        self._states: dict[int, dict[str, Any]] = {}
-
-    def get(self, cid: int) -> dict[str, Any]:
-        return self._states.get(cid, {})
-
-    def put(self, cid: int, state: dict[str, Any]) -> None:
-        if state:
-            self._states[cid] = state
-        else:
-            self._states.pop(cid, None)
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self._states))
-
-    def state_dict(self) -> dict[int, dict[str, Any]]:
-        return {cid: self._states[cid] for cid in sorted(self._states)}
-
-    def load_state_dict(self, state: dict[Any, dict[str, Any]]) -> None:
-        self._states = {int(k): v for k, v in state.items() if v}

@@ -46,7 +46,7 @@ from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
 from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
-from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore
+from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore, store
 from fedlt.run.signals import RunStopped, stop_on_signal
 
 OnRound = Callable[[int, dict[str, Any]], None]
@@ -115,6 +115,7 @@ class RoundLoop:
         # a round that ends below min_results is not applied: keep the last complete round's state
         # when it may not be on disk already (checkpoint_every > 1)
         skip = self.config.faults.on_short == "skip"
+        self.state.client_states.end_round()  # the store's cache holds this round's clients only
         before = (copy.deepcopy((self.algorithm.state_dict(), self.state.client_states.state_dict()))
                   if self.faults_possible and (skip or self.state.checkpoint_round != r) else None)
         clients = [parts.client_data(self.prep, cid, self.device, self.source) for cid in chosen]
@@ -232,11 +233,12 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     if resume:
         prep.partition.check_dataset(prep.data.y_train.numpy(), prep.data.name)
     fingerprint = fedlt.datasets.fingerprint(prep.data)  # the training inputs, not only the labels
-    state = RunState(round=0, metrics=[], wall_time=0.0, data_fingerprint=fingerprint)
+    state = RunState(round=0, metrics=[], wall_time=0.0, client_states=store(out, config), data_fingerprint=fingerprint)
     checkpoint = out / "checkpoint.pt"
     if resume and checkpoint.exists():
         state = restore(prep, io.load_checkpoint(checkpoint), checkpoint, config, fingerprint)
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
+    state.client_states.discard_uncommitted()  # and the client-state files written after the checkpoint
     io.write_json(out / "config.json", config.model_dump(mode="json"))
     if not resume:
         io.write_json(out / "partition.json", prep.manifest())

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedlt import io
+from fedlt import io, rundir
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError, first_line
@@ -23,7 +23,7 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # Settings that may differ between a run and its resumption: where it goes, how long it runs, and
 # what does not change a single number (device placement aside, which users may move on purpose).
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
-RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "data_root", "download", "device", "fused", "eval_batch",
+RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "client_state_memory_mb", "data_root", "download", "device", "fused", "eval_batch",
                      "engine", "workers", "loader_workers", "faults.min_results", "faults.on_failure",
                      "faults.on_short"}
 # (how many clients a round needs and what a failure or a short round does decide whether the run
@@ -83,6 +83,12 @@ def check_resumable(out: Path, config: RunConfig) -> None:
                          f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
 
 
+def store(out: Path, config: RunConfig) -> ClientStates:
+    """The run's client-state store: in memory up to ``client_state_memory_mb``, then one file
+    per client in ``out/client_states`` (fedlt.algorithms.client_states)."""
+    return ClientStates(Path(out) / rundir.STATE_DIR, config.client_state_memory_mb)
+
+
 def restore(prep: Any, saved: dict, path: Path, config: RunConfig, data_fingerprint: str) -> RunState:
     """The run's state from a checkpoint, its algorithm's state loaded into ``prep.algorithm``."""
     kept = saved.get("data_fingerprint", data_fingerprint)  # checkpoints written before it have none
@@ -102,12 +108,16 @@ def restore(prep: Any, saved: dict, path: Path, config: RunConfig, data_fingerpr
     if saved["round"] == config.rounds and (last.get("round") != config.rounds or "accuracy" not in last):
         raise FedltError(f"{path} is at round {saved['round']} but holds no evaluation of it; resume with "
                          f"--rounds above {saved['round']}")
-    client_states = ClientStates()
+    client_states = store(path.parent, config)
     try:
         prep.algorithm.load_state_dict(saved["algorithm"])
-        client_states.load_state_dict(saved["client_states"])
     except (KeyError, RuntimeError, ValueError, TypeError, FedltError) as exc:
         raise FedltError(f"{path} does not fit this run's model or algorithm ({first_line(exc)[:200]})") from None
+    try:
+        client_states.load_state_dict(saved["client_states"])
+    except (KeyError, ValueError, TypeError, AttributeError, FedltError) as exc:
+        raise FedltError(f"{path} holds damaged client states ({first_line(exc)[:200]})") from None
+    client_states.check(path)
     return RunState(saved["round"], list(saved["metrics"]), saved["wall_time"], client_states,
                     checkpoint_round=saved["round"], data_fingerprint=data_fingerprint)
 
@@ -126,17 +136,24 @@ class Checkpoints:
 
     def save(self, snapshot: dict[str, Any] | None = None) -> None:
         """The run at ``state.round``; ``snapshot``: the states as they were at that round's end,
-        when later training has moved them on (an overlapped evaluation)."""
+        when later training has moved them on (an overlapped evaluation).
+
+        With the client states in files, the checkpoint holds their manifest: the files written
+        since the last checkpoint are made durable first, and the ones it supersedes are removed
+        only once it is on disk — a kill at any point leaves a checkpoint whose files are all there."""
         state = self.state
+        snapshot = snapshot or self.snapshot()
+        state.client_states.sync()
         io.save_checkpoint(self.path, {
             "format": CHECKPOINT_FORMAT, "config_digest": config_digest(self.config),
             "partition_sha256": self.prep.partition.sha256, "data_fingerprint": state.data_fingerprint,
-            "round": state.round, **(snapshot or self.snapshot()),
+            "round": state.round, **snapshot,
             "metrics": state.metrics, "wall_time": float(state.wall_time),
         })
         state.checkpoint_round = state.round
         io.write_json(self.out / "checkpoint.json", {"round": state.round, "file": self.path.name,
                                                      "bytes": self.path.stat().st_size})
+        state.client_states.collect(snapshot["client_states"])
 
     def due(self, round_done: int) -> bool:
         return round_done % self.config.checkpoint_every == 0 or round_done == self.config.rounds
