@@ -6,7 +6,7 @@ piece of server state:
 |---|---|---|---|
 | ``fedetf`` | classifier → ``etf`` head (projection, fixed simplex ETF, learnable β) | objective ``balanced_softmax(absent='one')`` | — |
 | ``fedlf`` | unchanged | ``parts``: the objective on FedRS-scaled logits h·Wᵀ ⊙ a, + λ·L1 to the class centres | class centres f_G, similarity-weighted |
-| ``fednh`` | classifier → ``prototypes`` head | ``end``: the client's class prototypes | semantic infusion of the prototypes |
+| ``fednh`` | classifier → ``prototypes`` head | ``end``: the client's class prototypes | the ``fednh`` server step: semantic infusion |
 | ``fedloge`` | classifier → ``sse_c`` head (fixed) | — | — (g_aux, local heads, realignment: not built) |
 
 A head is attached to every model the algorithm builds (the server's, each process's work
@@ -30,10 +30,11 @@ from fedlt.algorithms import register
 from fedlt.algorithms.base import AggregatorSpec, LossExpression, RunContext, as_spec, build_aggregator
 from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy, client_update
 from fedlt.algorithms.protocol import ClientResult, ClientTask
+from fedlt.algorithms.recalibrate import Recalibrated, StepSpec
 from fedlt.algorithms.stateful import decorrelation_loss, features_of
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
-from fedlt.models import classifier, eval_mode, heads
+from fedlt.models import classifier, heads
 
 
 def _valid_head(spec: str | dict[str, Any]) -> str | dict[str, Any]:
@@ -250,92 +251,35 @@ class FedLF(FedAvgFamily):
 register("fedlf")(FedLF)
 
 # -- FedNH ------------------------------------------------------------------------------------
-def class_prototypes(h: torch.Tensor, labels: torch.Tensor, class_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A client's FedNH upload (the authors' ``FedNHClient._estimate_prototype``): for each class c
-    it holds, n_c·μ_c/‖μ_c‖ with μ_c the mean of its samples' normalised representations h/‖h‖
-    (norms clamped at 1e-12), 0 for the others; and its counts with an absent class as 1e-12."""
-    counts = class_counts.to(torch.float64)
-    z = h.double() / torch.linalg.vector_norm(h.double(), dim=1, keepdim=True).clamp(min=1e-12)
-    sums = torch.zeros(len(counts), h.shape[1], dtype=torch.float64, device=h.device).index_add_(0, labels, z)
-    present = counts > 0
-    mean = torch.zeros_like(sums)
-    mean[present] = sums[present] / counts[present, None]
-    unit = mean / torch.linalg.vector_norm(mean, dim=1, keepdim=True).clamp(min=1e-12)
-    return unit * counts[:, None], torch.where(present, counts, torch.full_like(counts, 1e-12))
-
-
-def semantic_infusion(prototype: torch.Tensor, scaled: Sequence[torch.Tensor], counts: Sequence[torch.Tensor],
-                      rho: float) -> torch.Tensor:
-    """FedNH's server update of the prototypes (the authors' ``FedNHServer.aggregate``):
-    P̄ = normalise(Σ_k scaled_k / Σ_k counts_k), P ← normalise(ρ·P + (1 − ρ)·P̄), rows
-    normalised (F.normalize, eps 1e-12); a class no participant holds keeps its direction."""
-    total = torch.stack([c.double() for c in counts]).sum(0)
-    average = torch.zeros_like(prototype, dtype=torch.float64)
-    for s in scaled:
-        average += s.double() / total[:, None]
-    average = F.normalize(average, dim=1)
-    return F.normalize(rho * prototype.double() + (1 - rho) * average, dim=1)
-
-
-@dataclass(frozen=True)
-class FedNHUpdate(ClientUpdate):
-    """The FedAvg family's local training, then the client's class prototypes estimated with the
-    trained model in eval mode over its whole local set (``class_prototypes``), sent to the server."""
-
-    batch: int = 256  # samples per forward pass of the estimate (the result does not depend on it)
-
-    def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
-            steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        features, labels = [], []
-        with torch.no_grad(), eval_mode(model), features_of(model) as seen:
-            for x, y in task.data.batches(torch.arange(len(task.data), device=task.data.index_device).split(self.batch)):
-                model(x)
-                labels.append(y)
-            features = torch.cat(seen)
-        scaled, counts = class_prototypes(features, torch.cat(labels), task.data.class_counts.to(features.device))
-        return {}, {"scaled_prototype": scaled, "counts": counts}
-
-
-class FedNHStrategy(Strategy):
-    """The aggregator's new model, then the prototypes (a buffer of the ``prototypes`` head) moved
-    by ``semantic_infusion`` with smoothing ``rho`` from the participants' uploads."""
-
-    def __init__(self, model: nn.Module, aggregator, ctx: RunContext, objective: str, rho: float) -> None:
-        super().__init__(model, aggregator, ctx, objective)
-        self.rho = rho
-
-    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
-        head = classifier(self.model)
-        before = head.prototype.detach().clone()
-        metrics = super().aggregate(round, results)
-        ordered = sorted(results, key=lambda r: r.cid)
-        if ordered:
-            new = semantic_infusion(before, [r.extras["scaled_prototype"] for r in ordered],
-                                    [r.extras["counts"] for r in ordered], self.rho)
-            with torch.no_grad():
-                head.prototype.copy_(new.to(before.dtype))
-        return metrics
-
-
-class FedNH(HeadFamily):
+class FedNH(HeadFamily, Recalibrated):
     """FedNH (Dai et al., AAAI 2023), as the authors' code (Yutong-Dai/FedNH, ``FedNH.py``): the
     classifier is the ``prototypes`` head (orthogonal class prototypes, normalised features, a
-    learnable scale), fixed on the clients; the clients upload their class prototypes and the server
-    infuses them into the global ones with smoothing ``rho``. Defaults: their Conv2Cifar setting
-    (ρ = 0.9, CE, the unweighted mean of the client models: server learning rate 1)."""
+    learnable scale), fixed on the clients; after local training the clients upload their class
+    prototypes and the server infuses them into the global ones with smoothing ``rho`` — the
+    ``fednh`` server step (fedlt.server_steps.fednh), run after the aggregator. Defaults: their
+    Conv2Cifar setting (ρ = 0.9, CE, the unweighted mean of the client models: server learning
+    rate 1)."""
 
     head: HeadSpec = Field("prototypes", description="the classifier head: FedNH's class prototypes")
     aggregator: AggregatorSpec = Field("mean", description="the server's aggregator spec (the authors' server: "
                                                            "the unweighted mean)")
-    rho: float = Field(0.9, ge=0, le=1, allow_inf_nan=False, description="smoothing ρ of the prototype update")
+    step: StepSpec = Field("fednh", description="the server-side step that moves the prototypes")
+    rho: float = Field(0.9, ge=0, le=1, allow_inf_nan=False, description="smoothing ρ of the prototype update "
+                                                                         "(the 'fednh' step's rho)")
+
+    def step_spec(self) -> dict[str, Any]:
+        spec = as_spec(self.step)
+        if spec["name"] == "fednh":
+            spec.setdefault("rho", self.rho)
+        return spec
 
     def client_update(self) -> Any:
-        return FedNHUpdate()
+        return Recalibrated.client_fn(self)
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         if not isinstance(classifier(model), heads.PrototypeHead):
             raise FedltError(f"fednh: head {self.head!r} has no class prototypes; use the 'prototypes' head")
-        return FedNHStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, self.rho)
+        return super().make_strategy(model, ctx)
 
 
 register("fednh")(FedNH)
@@ -353,4 +297,4 @@ class FedLoGe(HeadFamily):
 
 register("fedloge")(FedLoGe)
 
-__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe", "class_prototypes", "semantic_infusion"]
+__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe"]
