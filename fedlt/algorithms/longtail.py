@@ -7,7 +7,7 @@ piece of server state:
 | ``fedetf`` | classifier → ``etf`` head (projection, fixed simplex ETF, learnable β) | objective ``balanced_softmax(absent='one')`` | — |
 | ``fedlf`` | unchanged | ``parts``: the objective on FedRS-scaled logits h·Wᵀ ⊙ a, + λ·L1 to the class centres | class centres f_G, similarity-weighted |
 | ``fednh`` | classifier → ``prototypes`` head | ``end``: the client's class prototypes | the ``fednh`` server step: semantic infusion |
-| ``fedloge`` | classifier → ``sse_c`` head (fixed) | — | — (g_aux, local heads, realignment: not built) |
+| ``fedloge`` | classifier → ``sse_c`` head (fixed) + ``g_aux`` | ``parts``: CE of g_aux and of the client's l_head on detached features; ``end``: l_head kept | FedAvg; GA-FR (option); ``personal_model``: LA-FR |
 
 A head is attached to every model the algorithm builds (the server's, each process's work
 module, and a model a client builds for itself), so every engine runs the same architecture.
@@ -15,11 +15,13 @@ module, and a model a client builds for itself), so every engine runs the same a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +29,9 @@ from pydantic import AfterValidator, Field
 from torch import nn
 
 from fedlt.algorithms import register
-from fedlt.algorithms.base import AggregatorSpec, LossExpression, RunContext, as_spec, build_aggregator
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy, client_update
+from fedlt.algorithms.base import AggregatorSpec, LossExpression, RunContext, as_spec, build_aggregator, upcast
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Federated, Strategy, client_update
+from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.protocol import ClientResult, ClientTask
 from fedlt.algorithms.recalibrate import Recalibrated, StepSpec
 from fedlt.algorithms.stateful import decorrelation_loss, features_of
@@ -59,14 +62,17 @@ NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 @dataclass(frozen=True)
 class WithHead:
     """A client update whose model carries the head: the given work module already does; a
-    model the client builds for itself (no module given) gets it attached."""
+    model the client builds for itself (no module given) gets it attached (and FedLoGe's g_aux
+    beside it, ``aux``)."""
 
     update: Any
     head: dict[str, Any]
+    aux: bool = False
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         if model is None:
-            model = heads.attach(task.context.model.build(), self.head).to(task.data.x.device)
+            model = heads.attach(task.context.model.build(), self.head)
+            model = (with_aux(model) if self.aux else model).to(task.data.x.device)
         return self.update(task, model)
 
 
@@ -285,16 +291,210 @@ class FedNH(HeadFamily, Recalibrated):
 register("fednh")(FedNH)
 
 # -- FedLoGe ----------------------------------------------------------------------------------
-class FedLoGe(HeadFamily):
-    """FedLoGe (Xiao et al., ICLR 2024), its global model as the authors' default evaluates it
-    (fedloge.py: ``cls_switch = "SSE-C"``, ``global_test_head = 'g_head'``): the backbone trained
-    with CE through the fixed static sparse equiangular classifier (the ``sse_c`` head), FedAvg.
-    Not built yet: the auxiliary global head g_aux and the clients' local heads (trained on
-    detached features) and their global/local feature realignment."""
+ABSENT = -1e10  # the authors' mask: the weight rows of a class the client lacks (localtest, p_mode 1)
 
-    head: HeadSpec = Field("sse_c", description="the classifier head: FedLoGe's fixed SSE-C")
+
+class WithAux(nn.Module):
+    """The model's classifier for FedLoGe: the fixed SSE-C ``g_head`` (the forward: the global
+    logits) and beside it the auxiliary global head ``g_aux`` (a d→C linear layer, trained on
+    detached features and averaged with the rest, outside the forward). ``weight`` is g_head's."""
+
+    def __init__(self, g_head: nn.Module) -> None:
+        super().__init__()
+        c, d = g_head.weight.shape
+        self.g_head = g_head
+        self.g_aux = nn.Linear(d, c).to(g_head.weight.device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.g_head.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.g_head(h)
+
+
+def with_aux(model: nn.Module) -> nn.Module:
+    """``model`` with its classifier (the head) wrapped with FedLoGe's g_aux (``WithAux``), in place."""
+    return heads.swap(model, WithAux(classifier(model)))
+
+
+def g_aux(model: nn.Module) -> nn.Linear:
+    return classifier(model).g_aux
+
+
+def local_realignment(g_aux_weight: torch.Tensor, l_head_weight: torch.Tensor) -> torch.Tensor:
+    """FedLoGe's local adaptive feature realignment (LA-FR; the authors' ``update_weights_norm_init``
+    as realignment.py runs it, epoch 0): g_aux's row c scaled by ‖l_head row c‖₂."""
+    return g_aux_weight * torch.linalg.vector_norm(l_head_weight, dim=1, keepdim=True)
+
+
+def global_realignment(g_aux_weight: torch.Tensor, scale: float = 1.7) -> torch.Tensor:
+    """FedLoGe's global adaptive feature realignment (GA-FR; the authors' ``globaltest_calibra``):
+    g_aux's row c scaled to norm ``scale`` (their 1.7): W_c · scale/‖W_c‖₂."""
+    return g_aux_weight * (scale / torch.linalg.vector_norm(g_aux_weight, dim=1)).view(-1, 1)
+
+
+def mask_absent(weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``weight`` with the rows of the classes of zero ``counts`` set to −1e10 (the authors' mask)."""
+    return torch.where((counts == 0).view(-1, 1).to(weight.device), torch.full_like(weight, ABSENT), weight)
+
+
+class PersonalHead(nn.Module):
+    """A FedLoGe client's classifier (the authors' ``localtest`` after realignment.py's LA-FR):
+    z = l_head(h) + g_aux'(h), g_aux' = g_aux with its rows scaled by the local head's row norms,
+    both heads' rows of the classes the client lacks set to −1e10."""
+
+    def __init__(self, g_aux: nn.Linear, l_head: dict[str, torch.Tensor], counts: torch.Tensor) -> None:
+        super().__init__()
+        dev = g_aux.weight.device
+        l_w, l_b = l_head["weight"].to(dev), l_head["bias"].to(dev)
+        self.register_buffer("g_weight", mask_absent(local_realignment(g_aux.weight.detach(), l_w), counts))
+        self.register_buffer("g_bias", g_aux.bias.detach().clone())
+        self.register_buffer("l_weight", mask_absent(l_w, counts))
+        self.register_buffer("l_bias", l_b.clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.l_weight + self.g_weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.flatten(1)
+        return F.linear(h, self.l_weight, self.l_bias) + F.linear(h, self.g_weight, self.g_bias)
+
+
+def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    out = nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        out.weight.copy_(weight), out.bias.copy_(bias)
+    return out
+
+
+@dataclass(frozen=True)
+class FedLoGeUpdate(ClientUpdate):
+    """FedLoGe's local step (the authors' ``LocalUpdate.update_weights_gaux``): the backbone by the
+    objective through the fixed SSE-C; g_aux (in the model: the run's optimiser) and the client's
+    own local head l_head (its own optimiser, the schedule's settings, fresh each round as theirs)
+    each by CE on the detached features of the same forward. l_head and the client's class
+    counts are kept in the client's state (``end``); a client without one starts from a linear
+    layer's default initialisation drawn from (seed, client id)."""
+
+    def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
+        aux = g_aux(model)
+        own = task.state.get("fedloge")
+        start = own["l_head"] if own else initial_local_head(aux, task.context.sampling_seed, task.cid)
+        l_head = linear_head(start["weight"].to(aux.weight), start["bias"].to(aux.weight)).requires_grad_(True)
+        return {"l_head": l_head, "optimiser": task.schedule.optimiser(list(l_head.parameters()))}
+
+    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with features_of(model) as seen:
+            logits = model(x)
+        h = seen[0].detach()
+        return {OBJECTIVE: objective(upcast(logits), y, **extra),
+                "FedLoGe's g_aux (CE on detached features)": F.cross_entropy(upcast(g_aux(model)(h)), y),
+                "FedLoGe's local head (CE on detached features)": F.cross_entropy(upcast(local["l_head"](h)), y)}
+
+    def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
+                 y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        parts = super().backward(local, model, params, objective, x, y, extra)
+        local["optimiser"].step()  # l_head's own step (its gradient is its term's alone: detached features)
+        local["optimiser"].zero_grad(set_to_none=True)
+        return parts
+
+    def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
+            steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        l_head = local["l_head"]
+        own = {"l_head": {"weight": l_head.weight.detach().clone(), "bias": l_head.bias.detach().clone()},
+               "counts": task.data.class_counts.detach().clone()}
+        return {"fedloge": own}, {}
+
+
+def initial_local_head(aux: nn.Linear, seed: int, cid: int) -> dict[str, torch.Tensor]:
+    """nn.Linear's default initialisation U(±1/√d) for a client's first local head, from its own stream."""
+    g = torch.Generator().manual_seed(((seed * 1_000_003 + cid) * 1_000_003 + 0xF10E) % 2**63)
+    bound = 1 / math.sqrt(aux.in_features)
+    w = (torch.rand(aux.weight.shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+    b = (torch.rand(aux.bias.shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+    return {"weight": w.to(aux.weight), "bias": b.to(aux.weight)}
+
+
+class FedLoGeStrategy(Strategy):
+    """FedAvg of the backbone and g_aux (the authors' size-weighted ``FedAvg_noniid`` and
+    ``FedAvg_noniid_classifier``); the evaluated model: with the SSE-C (``g_head``) or with g_aux
+    re-aligned by GA-FR (``g_aux``), built once per aggregate."""
+
+    def __init__(self, model: nn.Module, aggregator, ctx: RunContext, objective: str, global_head: str,
+                 scale: float) -> None:
+        super().__init__(model, aggregator, ctx, objective)
+        self.global_head, self.scale = global_head, scale
+        self._inference: nn.Module | None = None
+
+    def aggregate(self, round: RoundContext, results: Sequence[ClientResult]) -> dict[str, float]:
+        self._inference = None
+        return super().aggregate(round, results)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._inference = None
+        super().load_state_dict(state)
+
+    def inference_model(self) -> nn.Module:
+        if self.global_head == "g_head":
+            return self.model
+        if self._inference is None:
+            aux = g_aux(self.model)
+            model = copy.deepcopy(self.model)
+            self._inference = heads.swap(model, linear_head(global_realignment(aux.weight.detach(), self.scale),
+                                                            aux.bias.detach()))
+        return self._inference
+
+
+class FedLoGe(HeadFamily):
+    """FedLoGe (Xiao et al., ICLR 2024), as the authors' code (ZackZikaiXiao/FedLoGe, fedloge.py,
+    util/update_baseline.py, realignment.py): the backbone trained with the objective through the
+    fixed static sparse equiangular classifier (the ``sse_c`` head, g_head); an auxiliary global
+    head g_aux and each client's local head l_head trained by CE on the detached features in the
+    same steps; FedAvg of the backbone and g_aux. The global model is evaluated with g_head
+    (``global_head='g_head'``: fedloge.py's default) or with g_aux re-aligned (GA-FR: rows to
+    norm ``realign_scale``); a client's personal model (``personal_model``) is l_head + g_aux
+    re-aligned to l_head's row norms (LA-FR), the classes it lacks masked."""
+
+    head: HeadSpec = Field("sse_c", description="the classifier head: FedLoGe's fixed SSE-C (g_head)")
+    global_head: Literal["g_head", "g_aux"] = Field("g_head", description="the evaluated global classifier: the "
+                                                    "SSE-C, or g_aux re-aligned by GA-FR")
+    realign_scale: float = Field(1.7, gt=0, allow_inf_nan=False, description="GA-FR: the norm g_aux's rows are "
+                                                                            "scaled to (the authors' 1.7)")
+
+    def client_update(self) -> Any:
+        return FedLoGeUpdate()
+
+    def client_fn(self):
+        return WithHead(self.client_update(), self.head_spec(), aux=True)
+
+    def setup(self, ctx: RunContext) -> None:
+        build, spec = ctx.build_model, self.head_spec()
+        Federated.setup(self, _replace_build(ctx, lambda: with_aux(heads.attach(build(), spec))))
+
+    def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
+        return FedLoGeStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, self.global_head,
+                               self.realign_scale)
+
+    def global_model(self) -> nn.Module:
+        return self._strategy.inference_model()
+
+    def personal_model(self, task: EvalTask) -> nn.Module:
+        """The client's model: the global backbone (``task.weights``) with its PersonalHead built
+        from g_aux, its l_head and its class counts (``task.state``); the global model for a
+        client that has never trained."""
+        device = task.test.x.device if task.test is not None else torch.device("cpu")
+        model = self._ctx.build_model().to(device)
+        model.load_state_dict(task.weights)
+        own = task.state.get("fedloge")
+        if not own:
+            return model
+        return heads.swap(model, PersonalHead(g_aux(model), own["l_head"], own["counts"]))
 
 
 register("fedloge")(FedLoGe)
 
-__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe"]
+__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe", "FedLoGeUpdate", "PersonalHead", "local_realignment",
+           "global_realignment", "mask_absent"]
