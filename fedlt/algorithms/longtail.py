@@ -4,7 +4,7 @@ piece of server state:
 
 | name | model | client (``ClientUpdate`` hook) | server (``Strategy``) |
 |---|---|---|---|
-| ``fedetf`` | classifier → ``etf`` head (projection, fixed simplex ETF, learnable β) | objective ``balanced_softmax(absent='one')`` | — |
+| ``fedetf`` | classifier → ``etf`` head (projection, fixed simplex ETF, learnable β) | objective ``balanced_softmax(absent='one')`` | —; ``personal_model``: local training + fine-tuning |
 | ``fedlf`` | unchanged | ``parts``: the objective on FedRS-scaled logits h·Wᵀ ⊙ a, + λ·L1 to the class centres | class centres f_G, similarity-weighted |
 | ``fednh`` | classifier → ``prototypes`` head | ``end``: the client's class prototypes | the ``fednh`` server step: semantic infusion |
 | ``fedloge`` | classifier → ``sse_c`` head (fixed) + ``g_aux`` | ``parts``: CE of g_aux and of the client's l_head on detached features; ``end``: l_head kept | FedAvg; GA-FR (option); ``personal_model``: LA-FR |
@@ -29,7 +29,8 @@ from pydantic import AfterValidator, Field
 from torch import nn
 
 from fedlt.algorithms import register
-from fedlt.algorithms.base import AggregatorSpec, LossExpression, RunContext, as_spec, build_aggregator, upcast
+from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, RunContext, as_spec,
+                                   build_aggregator, client_generator, upcast)
 from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Federated, Strategy, client_update
 from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.protocol import ClientResult, ClientTask
@@ -101,14 +102,73 @@ def _replace_build(ctx: RunContext, build) -> RunContext:
     return dataclasses.replace(ctx, build_model=build)
 
 
+def _train_epochs(model: nn.Module, params: list[torch.Tensor], optimiser: torch.optim.Optimizer, data: ClientData,
+                  schedule: LocalSchedule, generator: torch.Generator) -> None:
+    """``schedule``'s passes of plain CE over ``data``, only ``params`` trainable (the rest frozen,
+    as the authors' ``requires_grad = False``), the model in train mode."""
+    trainable = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    model.train()
+    for x, y in data.batches(schedule.batches(len(data), generator, data.index_device)):
+        optimiser.zero_grad(set_to_none=True)
+        F.cross_entropy(upcast(model(x)), y).backward()
+        optimiser.step()
+
+
+def etf_finetune(model: nn.Module, data: ClientData, schedule: LocalSchedule, generator: torch.Generator, *,
+                 alternations: int = 20, epochs: int = 3, lr_proto: float = 0.1, lr_proj: float = 0.05) -> nn.Module:
+    """FedETF's personalisation after local training (the authors' ``Client_personalization``):
+    ``alternations`` times, ``epochs`` passes of CE on the ETF M alone (plain SGD, lr ``lr_proto``),
+    then ``epochs`` on the projection layer alone (SGD lr ``lr_proj`` with the schedule's momentum
+    and weight decay, a fresh optimiser each time); β stays. M becomes a parameter of the head
+    (a buffer of the global model). ``model`` (an ``etf`` head) is changed in place and returned."""
+    head = classifier(model)
+    proto = nn.Parameter(head.proto.detach().clone())
+    del head._buffers["proto"]
+    head.proto = proto  # the client's own M from now on
+    passes = dataclasses.replace(schedule, epochs=epochs, iters=None)
+    for _ in range(alternations):
+        _train_epochs(model, [proto], torch.optim.SGD([proto], lr=lr_proto), data, passes, generator)
+        proj = list(head.linear_proto.parameters())
+        optimiser = torch.optim.SGD(proj, lr=lr_proj, momentum=schedule.momentum, weight_decay=schedule.weight_decay)
+        _train_epochs(model, proj, optimiser, data, passes, generator)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
 class FedETF(HeadFamily):
-    """FedETF (Li et al., ICCV 2023), its generic (global-model) half: the model's classifier is
-    the ``etf`` head — projection layer, L2-normalised features, a fixed simplex-ETF classifier
-    and a learnable temperature β — trained with the balanced softmax loss on the client's counts,
-    an absent class counted as one sample (the authors' ``client_fedetf``); FedAvg aggregation."""
+    """FedETF (Li et al., ICCV 2023): the model's classifier is the ``etf`` head — projection
+    layer, L2-normalised features, a fixed simplex-ETF classifier and a learnable temperature β —
+    trained with the balanced softmax loss on the client's counts, an absent class counted as
+    one sample (the authors' ``client_fedetf``); FedAvg aggregation. A client's personal model
+    (``personal_model``) is the global model after the authors' personalisation: one more local
+    training (the round's objective and schedule), then ``etf_finetune``."""
 
     loss: LossExpression = Field("balanced_softmax(absent='one')", description="the local objective, a loss expression")
     head: HeadSpec = Field("etf", description="the classifier head: FedETF's projection + fixed simplex ETF")
+    alternations: int = Field(20, ge=0, description="personalisation: alternations of fine-tuning M and the projection")
+    finetune_epochs: int = Field(3, ge=1, description="personalisation: epochs of each fine-tuning phase")
+    lr_proto: float = Field(0.1, gt=0, allow_inf_nan=False, description="personalisation: learning rate of M")
+    lr_proj: float = Field(0.05, gt=0, allow_inf_nan=False, description="personalisation: learning rate of the "
+                                                                       "projection layer")
+
+    def personal_model(self, task: EvalTask) -> nn.Module:
+        """The global model (``task.weights``) trained on the client's data (``task.data``) as a
+        round would (``task.schedule``, else the run's), then fine-tuned by ``etf_finetune``; its
+        draws from a stream of its own (the round after the last, never a training round's)."""
+        if task.data is None:
+            raise FedltError("fedetf: the personal model fine-tunes on the client's training data; "
+                             "the evaluation task carries none (EvalTask.data)")
+        schedule = task.schedule or self._ctx.schedule(self._ctx.batch_size or self._ctx.server_batch)
+        model = self._ctx.build_model().to(task.data.x.device)
+        context = dataclasses.replace(task.context, round_index=task.context.rounds)
+        local = ClientTask(task.cid, context, task.weights, task.data, dict(task.state), schedule, self.loss, {})
+        self.client_fn()(local, model)  # trains ``model`` in place
+        generator = client_generator(task.context.sampling_seed, task.context.rounds + 1, task.cid)
+        return etf_finetune(model, task.data, schedule, generator, alternations=self.alternations,
+                            epochs=self.finetune_epochs, lr_proto=self.lr_proto, lr_proj=self.lr_proj)
 
 
 register("fedetf")(FedETF)
@@ -496,5 +556,5 @@ class FedLoGe(HeadFamily):
 
 register("fedloge")(FedLoGe)
 
-__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe", "FedLoGeUpdate", "PersonalHead", "local_realignment",
+__all__ = ["HeadFamily", "FedETF", "FedLF", "WithHead", "fedrs_scale", "running_centres", "update_centres", "FedNH", "FedLoGe", "FedLoGeUpdate", "etf_finetune", "PersonalHead", "local_realignment",
            "global_realignment", "mask_absent"]
