@@ -1,5 +1,5 @@
 """Algorithms whose server runs a registered server-side step after aggregation on statistics
-the participants upload (``fedlt.server_steps``): CCVR, CReFF (issue 33).
+the participants upload (``fedlt.server_steps``): CCVR, CReFF, FedNH, FedNPC (issue 33).
 
 ``Recalibrated`` is FedAvg (any loss, any aggregator) plus a ``step`` spec. Each round:
 configure → the participants' local training (a step with ``fresh = False`` also collects its
@@ -217,5 +217,7 @@ class Recalibrated(FedAvgFamily):
 
 preset("ccvr", Recalibrated, "CCVR: FedAvg, then the classifier re-calibrated on virtual features sampled from "
        "the participants' pooled per-class feature Gaussians.", step="ccvr")
+preset("fednpc", Recalibrated, "FedNPC: FedAvg, then the classifier re-trained on standard-normal noise features "
+       "with uniform labels after the last round, used for inference.", step="fednpc")
 preset("creff", Recalibrated, "CReFF: FedAvg, plus a classifier re-trained on federated features optimised "
        "by gradient matching, used for inference.", step="creff")

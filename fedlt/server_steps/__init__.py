@@ -11,7 +11,7 @@ aggregated weights (``fresh = True``: CCVR's feature statistics) — or, for a s
 default the training model keeps its aggregated classifier and the re-calibrated one is only
 evaluated (as CReFF's and FL-bench's CCVR code do); a step whose optional ``moves_model`` is true
 writes its classifier into the model, which trains on with it (FedNH's semantic infusion).
-Built-ins: ``ccvr``, ``creff``, ``fednh``; a plugin adds one under the entry-point group
+Built-ins: ``ccvr``, ``creff``, ``fednh``, ``fednpc``; a plugin adds one under the entry-point group
 ``fedlt.server_steps``, and ``fedlt.testing.check_server_step`` is its contract.
 
 The numerical pieces are module functions, each held to its authors' code by a golden fixture
@@ -152,4 +152,4 @@ def _positive(step: str, name: str, value: Any) -> float:
     return float(value)
 
 
-from fedlt.server_steps import ccvr, creff, fednh  # noqa: E402,F401  (register the built-in steps)
+from fedlt.server_steps import ccvr, creff, fednh, fednpc  # noqa: E402,F401  (register the built-in steps)
