@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlt.algorithms.longtail import class_prototypes, semantic_infusion
+from fedlt.server_steps.fednh import class_prototypes, semantic_infusion
 from fedlt.models.heads import PrototypeHead, prototype_logits
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "fednh.json").read_text())

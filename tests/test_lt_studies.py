@@ -81,3 +81,20 @@ def test_every_cell_of_the_published_protocols_expands_and_starts(name, cifar_ro
         metrics = train_round(prep.algorithm, prep.ctx, 1, participants, ClientStates())
         assert math.isfinite(metrics["train_loss"]), entry.id
     assert len(started) == len(entries) // len(study.seeds)  # every cell but its seed started once
+
+
+def test_the_mnist_lt_study_expands_to_valid_runs_of_every_row(tmp_path):
+    """benchmarks/studies/longtail_mnist.yaml: every cell is a valid run with the CReFF protocol's
+    kept settings (imbalance factor 100 then Dirichlet 0.5, 20 clients, 8 a round, batch 32, lr 0.1),
+    3 seeds, and one cell per (row, seed) for the issue's rows."""
+    study, _ = load_study(STUDIES / "longtail_mnist.yaml")
+    entries = expand(study, tmp_path / "study")
+    rows = {"fedavg", "fedlogit", "fedlc", "fedvls", "fedgrab", "ccvr", "creff", "fedetf", "fedloge", "fednh", "fedlf",
+            "fednpc"}
+    configs = [RunConfig.model_validate(e.config) for e in entries]
+    assert {c.algorithm for c in configs} == rows and len(configs) == 3 * len(study.axes["algorithm"])
+    assert {(c.algorithm, c.seeds.model) for c in configs} == {(a, s) for a in rows for s in (0, 1, 2)}
+    for c in configs:
+        assert (c.dataset, c.clients, c.participation, c.batch_size, c.optimiser.lr) == ("mnist", 20, 0.4, 32, 0.1)
+        assert c.partition["name"] == "longtail" and c.partition["imbalance_factor"] == 100
+        assert c.partition["then"] == {"name": "dirichlet", "beta": 0.5}

@@ -1,5 +1,5 @@
 """Algorithms whose server runs a registered server-side step after aggregation on statistics
-the participants upload (``fedlt.server_steps``): CCVR, CReFF (issue 33).
+the participants upload (``fedlt.server_steps``): CCVR, CReFF, FedNH, FedNPC (issue 33).
 
 ``Recalibrated`` is FedAvg (any loss, any aggregator) plus a ``step`` spec. Each round:
 configure → the participants' local training (a step with ``fresh = False`` also collects its
@@ -7,7 +7,9 @@ statistics there, on the received weights, before training) → aggregate → (a
 a second ``runner.call`` in which each participant only collects, on the aggregated weights) →
 ``step.apply`` → the re-calibrated classifier. The aggregated model keeps training; the model
 the engine evaluates (``global_model()``) is it with the re-calibrated classifier, for the round
-the step ran in. Everything crosses as ``ClientTask.payload`` / ``ClientResult.extras``, so the
+the step ran in. A step with ``after_training`` collects at the end of each participant's local
+training, on its trained weights; one with ``moves_model`` writes its classifier into the
+aggregated model itself (FedNH's prototypes). Everything crosses as ``ClientTask.payload`` / ``ClientResult.extras``, so the
 algorithm runs on every engine.
 """
 
@@ -65,9 +67,11 @@ def on_host(value: Any) -> Any:
     return value
 
 
-def host_copy(head: nn.Linear) -> nn.Linear:
-    """A linear classifier with ``head``'s weights, on the CPU (built, not deep-copied: a module on
-    a device is copied tensor by tensor)."""
+def host_copy(head: nn.Module) -> nn.Module:
+    """A classifier with ``head``'s weights, on the CPU: a linear one built, not deep-copied (a
+    module on a device is copied tensor by tensor); a head (fedlt.models.heads) copied whole."""
+    if not isinstance(head, nn.Linear):
+        return copy.deepcopy(head).cpu()
     out = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, dtype=head.weight.dtype)
     with torch.no_grad():
         out.weight.copy_(head.weight.detach().cpu())
@@ -76,10 +80,27 @@ def host_copy(head: nn.Linear) -> nn.Linear:
     return out
 
 
+def write_head(out: nn.Module, head: dict[str, torch.Tensor]) -> None:
+    """``head``'s weight (and bias, where ``out`` has one) copied into the classifier ``out`` in
+    place (a head's ``weight`` is the tensor it scores against: its buffer)."""
+    with torch.no_grad():
+        out.weight.copy_(to_device(head["weight"], out.weight.device))  # the step's head is on the host
+        if getattr(out, "bias", None) is not None:
+            out.bias.copy_(to_device(head["bias"], out.bias.device))
+
+
+@dataclass(frozen=True)
+class _After:
+    """``begin``'s note to ``end``: the step collects once training is done."""
+
+    step: Any
+
+
 @dataclass(frozen=True)
 class StepUpdate(ClientUpdate):
     """FedAvg's local update, plus the step's statistics: before training on the received weights
-    (``fresh = False``), or alone, untrained, when the task asks only for them (``collect``)."""
+    (``fresh = False``), after it on the trained ones (``after_training``), or alone, untrained,
+    when the task asks only for them (``collect``)."""
 
     step: dict[str, Any] = field(default_factory=dict)
 
@@ -94,10 +115,14 @@ class StepUpdate(ClientUpdate):
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         step = build_step(self.step)
-        return collect(step, task, model) if task.payload.get("due") and not step.fresh else None
+        if not task.payload.get("due") or step.fresh:
+            return None
+        return _After(step) if fedlt.server_steps.after_training(step) else collect(step, task, model)
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        if isinstance(local, _After):
+            local = collect(local.step, task, model)  # on the weights just trained
         return {}, ({KEY: local} if local is not None else {})
 
 
@@ -134,8 +159,13 @@ class StepStrategy(Strategy):
         host: the step's float64 work and its state are the same whichever device trained."""
         uploads = [on_host(r.extras[KEY]) for r in sorted(results, key=lambda r: r.cid)
                    if isinstance(r, ClientResult) and KEY in r.extras]
-        if uploads:
-            self.set_head(self.step.apply(host_copy(classifier(self.model)), uploads))
+        if not uploads:
+            return
+        head = self.step.apply(host_copy(classifier(self.model)), uploads)
+        if fedlt.server_steps.moves_model(self.step):
+            write_head(classifier(self.model), head)
+        else:
+            self.set_head(head)
 
     def set_head(self, head: dict[str, torch.Tensor] | None) -> None:
         self.head, self._inference = head, None
@@ -146,11 +176,7 @@ class StepStrategy(Strategy):
             return self.model
         if self._inference is None:
             self._inference = copy.deepcopy(self.model)
-            out = classifier(self._inference)
-            with torch.no_grad():
-                out.weight.copy_(to_device(self.head["weight"], out.weight.device))  # the step's head is on the host
-                if out.bias is not None:
-                    out.bias.copy_(to_device(self.head["bias"], out.bias.device))
+            write_head(classifier(self._inference), self.head)
         return self._inference
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,11 +193,15 @@ class Recalibrated(FedAvgFamily):
 
     step: StepSpec = Field("ccvr", description="the server-side step, a fedlt.server_steps spec")
 
+    def step_spec(self) -> dict[str, Any]:
+        """The step's spec (a subclass may complete it from its own fields)."""
+        return as_spec(self.step)
+
     def client_fn(self) -> ClientUpdate:
-        return StepUpdate(as_spec(self.step))
+        return StepUpdate(self.step_spec())
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
-        return StepStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, build_step(self.step))
+        return StepStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, build_step(self.step_spec()))
 
     def train_round(self, round: RoundContext, participants: list[ClientData], states: ClientStates,
                     runner: ClientRunner) -> dict[str, float]:
@@ -187,5 +217,7 @@ class Recalibrated(FedAvgFamily):
 
 preset("ccvr", Recalibrated, "CCVR: FedAvg, then the classifier re-calibrated on virtual features sampled from "
        "the participants' pooled per-class feature Gaussians.", step="ccvr")
+preset("fednpc", Recalibrated, "FedNPC: FedAvg, then the classifier re-trained on standard-normal noise features "
+       "with uniform labels after the last round, used for inference.", step="fednpc")
 preset("creff", Recalibrated, "CReFF: FedAvg, plus a classifier re-trained on federated features optimised "
        "by gradient matching, used for inference.", step="creff")

@@ -257,6 +257,14 @@ def build_head(spec: dict[str, Any], in_features: int, num_classes: int) -> nn.M
         raise FedltError(f"head {name!r}: {exc}") from None
 
 
+def swap(model: nn.Module, module: nn.Module) -> nn.Module:
+    """``model`` with its classifier (``get_classifier()``, a linear layer or a head) replaced by
+    ``module`` in place (a personalised or re-aligned classifier); returns the model."""
+    parent, name = _parent_of(model, model.get_classifier())
+    setattr(parent, name, module)
+    return model
+
+
 def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     """``model`` with its classifier (``get_classifier()``, a d→C linear layer) replaced by the
     head of ``spec``, in place; returns the model."""
@@ -272,5 +280,5 @@ def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     return model
 
 
-__all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "build_head", "simplex_etf", "etf_logits",
+__all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "swap", "build_head", "simplex_etf", "etf_logits",
            "ETFHead", "PrototypeHead", "prototype_logits", "SparseETFHead", "sparse_etf"]

@@ -4,16 +4,20 @@ upload, producing the classifier the global model is evaluated with (issue 33).
 A step is an object with seven calls (:class:`ServerStep`); the algorithm that carries one
 (``fedlt.algorithms.recalibrate``) asks every participant for ``collect(...)`` — on the received
 weights during its round (``fresh = False``: CReFF's gradients) or in a second call on the
-aggregated weights (``fresh = True``: CCVR's feature statistics) — and hands the uploads to
-``apply``, which returns the re-calibrated classifier (``{"weight", "bias"}`` of the model's
-final linear layer). The training model keeps its aggregated classifier; the re-calibrated one is
-only evaluated (as CReFF's and FL-bench's CCVR code do). Built-ins: ``ccvr``, ``creff``,
-``fednpc``; a plugin adds one under the entry-point group ``fedlt.server_steps``, and
-``fedlt.testing.check_server_step`` is its contract.
+aggregated weights (``fresh = True``: CCVR's feature statistics) — or, for a step whose optional
+``after_training`` is true, on the weights the participant has just trained (FedNH's prototypes)
+— and hands the uploads to ``apply``, which returns the re-calibrated classifier (``{"weight",
+"bias"}`` of the model's classifier; ``weight`` is a head's class vectors, ``head.weight``). By
+default the training model keeps its aggregated classifier and the re-calibrated one is only
+evaluated (as CReFF's and FL-bench's CCVR code do); a step whose optional ``moves_model`` is true
+writes its classifier into the model, which trains on with it (FedNH's semantic infusion).
+Built-ins: ``ccvr``, ``creff``, ``fednh``, ``fednpc``; a plugin adds one under the entry-point group
+``fedlt.server_steps``, and ``fedlt.testing.check_server_step`` is its contract.
 
 The numerical pieces are module functions, each held to its authors' code by a golden fixture
 (tests/golden/): ``pooled_class_stats`` and ``sample_virtual`` (CCVR), ``match_distance`` and
-``update_features`` (CReFF), ``retrain_classifier`` (all three).
+``update_features`` (CReFF), ``class_prototypes`` and ``semantic_infusion`` (FedNH),
+``retrain_classifier`` (CCVR, CReFF).
 """
 
 from __future__ import annotations
@@ -39,7 +43,20 @@ def _step_check(obj: Any) -> str | None:
     missing = [m for m in STEP_METHODS if not callable(getattr(obj, m, None))]
     if missing:
         return f"{type(obj).__name__} lacks {', '.join(missing)} (see fedlt.server_steps.ServerStep)"
-    return None if isinstance(getattr(obj, "fresh", None), bool) else f"{type(obj).__name__}.fresh is not a bool"
+    for flag, default in (("fresh", None), ("after_training", False), ("moves_model", False)):
+        if not isinstance(getattr(obj, flag, default), bool):
+            return f"{type(obj).__name__}.{flag} is not a bool"
+    return None
+
+
+def after_training(step: Any) -> bool:
+    """Whether ``step`` collects on the participant's locally trained weights (``fresh`` False)."""
+    return not step.fresh and getattr(step, "after_training", False)
+
+
+def moves_model(step: Any) -> bool:
+    """Whether ``step``'s classifier is written into the training model."""
+    return getattr(step, "moves_model", False)
 
 
 REGISTRY: Registry = Registry("server_step", group="fedlt.server_steps", product=_step_check)
@@ -54,13 +71,19 @@ class ServerStep(Protocol):
     classifier); ``state_dict`` / ``load_state_dict`` what it keeps between rounds (checkpointed)."""
 
     fresh: bool  # True: statistics of the aggregated model (a second call); False: of the received one
+    # optional, False when absent: with fresh False, statistics of the locally trained model (end of
+    # local training) instead of the received one
+    after_training: bool
+    # optional, False when absent: apply's classifier replaces the model's (training goes on with it)
+    # instead of only the evaluated model's
+    moves_model: bool
 
-    def setup(self, head: nn.Linear, generator: torch.Generator | None = None) -> None: ...
+    def setup(self, head: nn.Module, generator: torch.Generator | None = None) -> None: ...
     def due(self, round_index: int, rounds: int) -> bool: ...
     def payload(self) -> dict[str, Any]: ...
     def collect(self, model: nn.Module, batches: Batches, payload: dict[str, Any], num_classes: int,
                 generator: torch.Generator | None = None) -> dict[str, Any]: ...
-    def apply(self, head: nn.Linear, uploads: Sequence[dict[str, Any]],
+    def apply(self, head: nn.Module, uploads: Sequence[dict[str, Any]],
               generator: torch.Generator | None = None) -> Head: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -129,4 +152,4 @@ def _positive(step: str, name: str, value: Any) -> float:
     return float(value)
 
 
-from fedlt.server_steps import ccvr, creff  # noqa: E402,F401  (register the built-in steps)
+from fedlt.server_steps import ccvr, creff, fednh, fednpc  # noqa: E402,F401  (register the built-in steps)
