@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from fedlt import wire
-from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, SeededSession, Upload, failure_reason,
-                                       run_client)
+from fedlt.algorithms.protocol import (CLIENT_CALLS, ClientFailure, ClientResult, ClientTask, RoundSessions, Runner,
+                                       SeededSession, Upload, failure_reason)
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError, first_line
 from fedlt.run.parts import client_data, rebuild
@@ -130,9 +130,10 @@ class _Worker:
         task = unpack(packed, device)
         return dataclasses.replace(task, data=client_data(self.prep, task.cid, device))
 
-    def call(self, packed: Packed) -> Packed:
+    def call(self, job: str, packed: Packed) -> Packed:
+        """One-call work of kind ``job`` (fedlt.algorithms.protocol.CLIENT_CALLS) on the task."""
         task = self.task(packed)
-        return pack(run_client(self.prep.algorithm, task), f"result of client {task.cid}")
+        return pack(CLIENT_CALLS[job](self.prep.algorithm, task), f"result of client {task.cid}")
 
     def session_ops(self, exchange_id: int, ops: list[tuple[int, str, Any]], tolerate: bool = False) -> list[Any]:
         """Run the ops (session id, open | backward | forward | finish, argument) in order;
@@ -341,7 +342,7 @@ class WorkerPool:
         self.close()
 
     # -- one-call work --------------------------------------------------------------------------
-    def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], message: str = "call",
+    def map_calls(self, packed: list[Packed], sizes: list[int], cids: list[int], job: str = "work",
                   tolerate: bool = False) -> list[Any]:
         """Each packed task run by a free worker, largest first; results in task order (packed),
         a ClientFailure where a task's worker was lost ATTEMPTS times. An error of the client work
@@ -361,7 +362,7 @@ class WorkerPool:
             for i in range(self.size):
                 if todo and i not in running:
                     k = todo.pop(0)
-                    self._send(i, (message, packed[k]))
+                    self._send(i, ("call", job, packed[k]))
                     running[i] = (k, time.monotonic() + self.reply_wait)
             if not running:
                 break
@@ -451,7 +452,7 @@ def shared_train_set(data: Any) -> Any:
                                x_test=empty(data.x_test), y_test=empty(data.y_test))
 
 
-class ParallelRunner:
+class ParallelRunner(Runner):
     """A ClientRunner (fedlt.algorithms.protocol) over a :class:`WorkerPool`: ``ParallelRunner(2)``
     starts (and ``close`` stops) its own pool; ``ParallelRunner(pool)`` uses a pool that outlives
     it (tests reuse one across runs). The engine binds it to a run once (``bind``) and evaluates
@@ -461,7 +462,7 @@ class ParallelRunner:
     overlaps_evaluation = True
 
     def __init__(self, workers: int | WorkerPool, tolerate: bool = False) -> None:
-        self.tolerate = tolerate
+        super().__init__(tolerate)
         self.own = not isinstance(workers, WorkerPool)
         self.pool = WorkerPool(workers) if self.own else workers
         self.device = torch.device("cpu")
@@ -488,11 +489,11 @@ class ParallelRunner:
         if not self.bound:
             raise FedltError("a ParallelRunner must be bound to a run (bind(prepared)) before it runs clients")
 
-    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
         self._check_bound()
         packed = [pack(dataclasses.replace(t, data=None), f"task of client {t.cid}") for t in tasks]
         sizes = [len(t.data.y) if t.data is not None else 0 for t in tasks]
-        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], tolerate=self.tolerate)
+        replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], job, tolerate=self.tolerate)
         return [r if isinstance(r, ClientFailure) else unpack(r, self.device) for r in replies]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "ParallelSessions":
@@ -501,13 +502,15 @@ class ParallelRunner:
         return ParallelSessions(self, list(tasks), self.exchanges)
 
 
-class ParallelSessions:
+class ParallelSessions(RoundSessions):
     """The round's split-learning sessions, each pinned to one worker (the workers balanced by
     their clients' sample counts); ``backward`` sends nothing by itself: the gradients ride on
-    the next ``forward`` or ``finish`` message, one per worker."""
+    the next ``forward`` or ``finish`` message, one per worker. A session whose work raised or
+    whose worker was lost twice leaves the round, reported once (RoundSessions)."""
 
     def __init__(self, runner: ParallelRunner, tasks: list[ClientTask], exchange_id: int) -> None:
-        self.runner, self.tasks, self.exchange_id = runner, tasks, exchange_id
+        super().__init__(tasks)
+        self.runner, self.exchange_id = runner, exchange_id
         pool = runner.pool
         load = [(0, i) for i in range(pool.size)]
         self.worker_of: list[int] = [0] * len(tasks)
@@ -518,52 +521,35 @@ class ParallelSessions:
         self.pending: list[list[tuple[int, str, Any]]] = [
             [(k, "open", pack(dataclasses.replace(t, data=None), f"task of client {t.cid}"))] for k, t in enumerate(tasks)]
         self.history: dict[int, list] = {i: [] for i in range(pool.size)}  # ops each worker ran this round
-        self.failed: dict[int, str] = {}  # session -> why it failed (its work raised, or its worker was lost twice)
-        self.reported: set[int] = set()  # failures already returned (each is reported once, as LocalSessions does)
-        self.gone: set[int] = set()  # sessions told to leave the round (fedlt.faults)
-
-    def drop(self, k: int) -> None:
-        """Session k leaves the round: no more calls, None in the outputs (its worker's copy of it
-        is simply never called again)."""
-        self.gone.add(k)
 
     def _run(self, op: str) -> list[Any]:
         per_worker: dict[int, list] = {}
-        for k in range(len(self.tasks)):
-            if k not in self.failed and k not in self.gone:
-                per_worker.setdefault(self.worker_of[k], []).extend([*self.pending[k], (k, op, None)])
+        for k in self.live():
+            per_worker.setdefault(self.worker_of[k], []).extend([*self.pending[k], (k, op, None)])
         self.pending = [[] for _ in self.tasks]
         replies = self.runner.pool.session_messages(self.exchange_id, per_worker, self.history, self.runner.tolerate)
-        out: list[Any] = [None] * len(self.tasks)
+        values: dict[int, Any] = {}
         for i, ops in per_worker.items():
             reply = replies[i]
             if isinstance(reply, str):
                 for k, _, _ in ops:
-                    self.failed.setdefault(k, f"failed: worker lost twice ({reply})")
+                    self.fail(k, f"failed: worker lost twice ({reply})")
                 self.history[i] = []
                 continue
             self.history[i].append(ops)
             for (k, o, _), value in zip(ops, reply):
                 if isinstance(value, ClientFailure):
-                    self.failed.setdefault(k, value.reason)
-                elif o == op and k not in self.failed:
-                    out[k] = unpack(value, self.runner.device)
-        result: list[Any] = []
-        for k, t in enumerate(self.tasks):
-            if k in self.failed and k not in self.reported:
-                self.reported.add(k)
-                result.append(ClientFailure(t.cid, self.failed[k]))
-            else:
-                result.append(None if k in self.failed or k in self.gone else out[k])
-        return result
+                    self.fail(k, value.reason)
+                elif o == op and k not in self.gone:
+                    values[k] = unpack(value, self.runner.device)
+        return self.report(values)
 
     def forward(self) -> list[Upload | ClientFailure]:
         return self._run("forward")
 
     def backward(self, grads: list[torch.Tensor | None]) -> None:
-        for k, grad in enumerate(grads):
-            if k not in self.failed and k not in self.gone:
-                self.pending[k].append((k, "backward", pack(grad, "activation gradient")))
+        for k in self.live():
+            self.pending[k].append((k, "backward", pack(grads[k], "activation gradient")))
 
     def finish(self) -> list[ClientResult | ClientFailure]:
         return self._run("finish")

@@ -314,6 +314,10 @@ class CohortRunner:
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
         return self.transport.exchange(algorithm, tasks)
 
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Other kinds of one-call work (``Runner.each``): the transport's, one client at a time."""
+        return self.transport.each(job, algorithm, tasks)
+
 
 def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
     """``transport`` itself for ``size`` 1 (the default), else a :class:`CohortRunner` around it."""

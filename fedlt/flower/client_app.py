@@ -31,7 +31,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import SeededSession, run_client
+from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession
 from fedlt.errors import FedltError
 from fedlt.flower import codec
 from fedlt.run import parts
@@ -65,12 +65,19 @@ def partition(message: Message, context: Context) -> Message:
                    reply_to=message)
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
+def one_call(job: str, message: Message, context: Context) -> Message:
+    """One-call work of kind ``job`` (fedlt.algorithms.protocol.CLIENT_CALLS) on the received task;
+    the server side's ``FlowerRunner.each`` sends it as the message type ``MESSAGE_TYPES[job]``."""
     content = message.content
     prep = prepared(content["run"], context)
     task = codec.task_from(content, client_data(prep, _cid(content), context), prep.config.device)
-    return Message(codec.content(run_client(prep.algorithm, task), f"result of client {task.cid}"), reply_to=message)
+    result = CLIENT_CALLS[job](prep.algorithm, task)
+    return Message(codec.content(result, f"result of client {task.cid}"), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    return one_call("work", message, context)
 
 
 def _cid(content: RecordDict) -> int:

@@ -180,7 +180,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     from flwr.simulation import run_simulation
 
     from fedlt.flower.client_app import app as client_app
-    from fedlt.flower.server_app import FlowerRounds
+    from fedlt.flower.server_app import FlowerRunner
 
     outcomes: list[dict[str, Any]] = []
     failure: list[BaseException] = []
@@ -196,7 +196,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
             signals.in_loop = True
             try:
                 for job in jobs:
-                    rounds = FlowerRounds(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
+                    rounds = FlowerRunner(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
                     summary = loop.run(job.config, resume=job.resume, on_round=job.on_round,
                                          on_start=job.on_start, runner=rounds,
                                          stop_requested=lambda: signals.first)
