@@ -197,8 +197,6 @@ def worker_main(conn: Connection) -> None:
                 reply = worker.call(*args)
             elif kind == "sessions":
                 reply = worker.session_ops(*args)
-            elif kind == "die":  # tests: a worker that dies in the middle of its work
-                os._exit(9)
             else:
                 raise FedltError(f"unknown message {kind!r}")
             conn.send(("ok", reply))

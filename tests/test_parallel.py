@@ -112,11 +112,21 @@ def test_a_killed_worker_is_replaced_and_its_clients_rerun(pool, tmp_path):
     assert same_end(tmp_path / "scala-1", tmp_path / "scala-2") == []
 
 
-def test_a_task_whose_worker_dies_twice_is_a_client_failure(pool):
-    """A task that kills its worker each time: a ClientFailure naming the client, after one
-    re-run; the pool is whole again afterwards (both workers answer)."""
+def test_a_task_whose_worker_dies_twice_is_a_client_failure(pool, monkeypatch):
+    """A task whose worker dies each time (killed by its pid, the task in flight): a ClientFailure
+    naming the client, after one re-run; the pool is whole again afterwards (both workers answer)."""
     before = pool.replaced
-    out = pool.map_calls([pack(None, "x")], [1], [7], message="die")
+    send = pool._send
+
+    def kill_then_send(i, message):
+        if message[0] == "call":  # the worker is dead when its task goes out: lost with it in flight
+            os.kill(pool.procs[i].process.pid, signal.SIGKILL)
+            pool.procs[i].process.join(10)
+        send(i, message)
+
+    monkeypatch.setattr(pool, "_send", kill_then_send)
+    out = pool.map_calls([pack(None, "x")], [1], [7])
+    monkeypatch.undo()
     assert len(out) == 1 and isinstance(out[0], ClientFailure)
     assert out[0].cid == 7 and out[0].reason.startswith("failed: its worker was lost twice")
     assert pool.replaced == before + 2

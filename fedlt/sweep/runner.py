@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from typing import Any
 
 from fedlt import rundir
 from fedlt.errors import FedltError
+from fedlt.run.signals import TwoSignalStop
 from fedlt.sweep import executors, track
 from fedlt.sweep.executors import Job, Outcome
 from fedlt.sweep.study import Study, clear_partial, expand, plan, status_on_disk, write_manifest
@@ -41,19 +40,6 @@ class SweepResult:
     @property
     def failed(self) -> int:
         return self.count("failed")
-
-
-@contextmanager
-def _relay_signals(stop: Callable[[int], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, lambda signum, frame: stop(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 @contextmanager
@@ -168,8 +154,8 @@ def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: 
         result.stop_signal = signum
         engine.stop()
 
-    if jobs:
-        with _relay_signals(stop):
+    if jobs:  # every signal is relayed: the first stops the runs after their round, a second at once
+        with TwoSignalStop(on_first=stop, on_again=lambda signum, count: stop(signum)):
             engine.run(jobs, handle, out)
     for run in runs.values():  # a run the executor never started (stopped first) stays pending
         if run["status"] == "running":
