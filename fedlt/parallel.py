@@ -52,9 +52,9 @@ from fedlt import wire
 from fedlt.algorithms.protocol import (CLIENT_CALLS, ClientFailure, ClientResult, ClientTask, RoundSessions, Runner,
                                        SeededSession, Upload, failure_reason)
 from fedlt.datasets.source import images
-from fedlt.errors import FedltError, first_line
+from fedlt.errors import FedltError, ProcessLost, first_line
 from fedlt.run.parts import client_data, rebuild
-from fedlt.start_method import PRELOAD, main_not_rerun, process_context  # noqa: F401  (re-exported)
+from fedlt.start_method import PRELOAD, alive, exit_words, main_not_rerun, process_context  # noqa: F401  (re-exported)
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
 REPLY_WAIT_S = 3600.0  # one message's work (a round's local training at most); then the worker is replaced
@@ -199,11 +199,15 @@ def worker_main(conn: Connection) -> None:
                 reply = worker.session_ops(*args)
             else:
                 raise FedltError(f"unknown message {kind!r}")
-            conn.send(("ok", reply))
+            answer: tuple = ("ok", reply)
         except BaseException as exc:  # noqa: BLE001  (everything goes back to the main process)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            conn.send(("error", _portable(exc), traceback.format_exc(), worker.current))
+            answer = ("error", _portable(exc), traceback.format_exc(), worker.current)
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            return  # the main process gave up on this worker (or is gone): nobody to answer, nothing to print
 
 
 # -- the main process -----------------------------------------------------------------------------
@@ -213,20 +217,32 @@ class WorkerLost(Exception):
 
 class _Process:
     def __init__(self, ctx: Any, index: int) -> None:
+        self.index = index
+        self.forked = ctx.get_start_method() == "forkserver"
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=worker_main, args=(child,), name=f"fedlt-worker-{index}", daemon=True)
         with main_not_rerun():
             self.process.start()
         child.close()
-        self.busy_since: float | None = None
 
     def why_lost(self) -> str:
-        code = self.process.exitcode
-        return f"its process exited with code {code}" if code is not None else "its process stopped answering"
+        """What happened to this worker, in words naming it (for the lines a lost worker leads to)."""
+        code, pid = self.process.exitcode, self.process.pid
+        name = f"worker {self.index} (pid {pid})"
+        if code is None:
+            return f"{name} stopped answering"
+        # a fork server's child reports its exit through the fork server: 255 when the server itself died
+        if code == 255 and self.forked and alive(pid):
+            return f"the fork server of {name} died (killed?); the worker is replaced"
+        return f"{name} died ({exit_words(code)})"
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
+        """Stop it by its pid (alive, or with an exit the fork server could not report)."""
+        if alive(self.process.pid) and self.process.exitcode in (None, 255):
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.join(timeout=10)
         self.conn.close()
 
@@ -255,7 +271,7 @@ class WorkerPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 proc.kill()
-                raise WorkerLost(f"no reply within {self.reply_wait:.0f}s while {what}")
+                raise WorkerLost(f"worker {i} gave no reply within {self.reply_wait:.0f}s while {what}")
             ready = wait([proc.conn, proc.process.sentinel], timeout=min(left, 5.0))
             if proc.conn in ready or (ready and proc.conn.poll()):
                 try:
@@ -294,7 +310,7 @@ class WorkerPool:
             if self.binding is not None:
                 self._ask(i, ("bind", *self.binding), self.startup_wait, "building the run's parts")
         except WorkerLost as exc:
-            raise FedltError(f"could not start a replacement for worker {i}: {exc}") from None
+            raise ProcessLost(f"could not start a replacement for worker {i}: {exc}") from None
 
     # -- binding a run --------------------------------------------------------------------------
     def bind(self, config: Any, partition: Any, data: Any) -> None:
@@ -389,7 +405,7 @@ class WorkerPool:
             for i, (k, deadline) in running.items():
                 if i not in lost and now > deadline:
                     self.procs[i].kill()
-                    lost[i] = f"no reply within {self.reply_wait:.0f}s"
+                    lost[i] = f"worker {i} gave no reply within {self.reply_wait:.0f}s"
             for i, why in lost.items():
                 k, _ = running.pop(i)
                 failures[k] += 1
@@ -492,7 +508,17 @@ class ParallelRunner(Runner):
         packed = [pack(dataclasses.replace(t, data=None), f"task of client {t.cid}") for t in tasks]
         sizes = [len(t.data.y) if t.data is not None else 0 for t in tasks]
         replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], job, tolerate=self.tolerate)
+        self.lost([r for r in replies if isinstance(r, ClientFailure)])
         return [r if isinstance(r, ClientFailure) else unpack(r, self.device) for r in replies]
+
+    def lost(self, failures: list[ClientFailure]) -> None:
+        """Clients whose worker was lost twice: ClientFailures for a runner that tolerates failures;
+        otherwise the run cannot go on (an error of the work itself was raised already): one
+        line naming what died (ProcessLost, exit code 1)."""
+        if failures and not self.tolerate:
+            f = failures[0]
+            raise ProcessLost(f"client {f.cid}: {f.reason.removeprefix('failed: ')} — a worker process died, "
+                              "not the client's work (killed, or out of memory?)")
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "ParallelSessions":
         self._check_bound()
@@ -531,7 +557,7 @@ class ParallelSessions(RoundSessions):
             reply = replies[i]
             if isinstance(reply, str):
                 for k, _, _ in ops:
-                    self.fail(k, f"failed: worker lost twice ({reply})")
+                    self.fail(k, f"failed: its worker was lost twice ({reply})")
                 self.history[i] = []
                 continue
             self.history[i].append(ops)
@@ -540,7 +566,9 @@ class ParallelSessions(RoundSessions):
                     self.fail(k, value.reason)
                 elif o == op and k not in self.gone:
                     values[k] = unpack(value, self.runner.device)
-        return self.report(values)
+        out = self.report(values)
+        self.runner.lost([v for v in out if isinstance(v, ClientFailure)])
+        return out
 
     def forward(self) -> list[Upload | ClientFailure]:
         return self._run("forward")
