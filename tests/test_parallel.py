@@ -59,10 +59,10 @@ def test_every_registered_algorithm_is_bit_identical_with_two_workers(pool):
 
 def test_the_contract_catches_a_runner_that_changes_a_result(pool, tmp_path, monkeypatch):
     """check_parallel is not vacuous: a worker result nudged by one ulp fails it, naming the property."""
-    import fedlt.parallel
+    import fedlt.parallel.runner
     from fedlt.testing import ContractError
 
-    real = fedlt.parallel.unpack
+    real = fedlt.parallel.runner.unpack
 
     def nudged(packed, device="cpu"):
         value = real(packed, device)
@@ -71,7 +71,7 @@ def test_the_contract_catches_a_runner_that_changes_a_result(pool, tmp_path, mon
             value.weights[first] = torch.nextafter(value.weights[first], torch.full_like(value.weights[first], 9.0))
         return value
 
-    monkeypatch.setattr(fedlt.parallel, "unpack", nudged)
+    monkeypatch.setattr(fedlt.parallel.runner, "unpack", nudged)  # where the runner reads the workers' results
     with pytest.raises(ContractError, match=r"algorithm 'fedavg' breaks \[bit-identical with workers\]"):
         check_parallel(["fedavg"], pool=pool, rounds=1)
 
