@@ -10,7 +10,6 @@ once. A failed run is recorded with its one-line error and the others go on.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from fedlt import rundir
-from fedlt.errors import FedltError
 from fedlt.run.signals import TwoSignalStop
 from fedlt.sweep import executors, track
 from fedlt.sweep.executors import Job, Outcome
@@ -44,30 +42,13 @@ class SweepResult:
 
 @contextmanager
 def claim_study(out: Path) -> Iterator[list[Path]]:
-    """Hold ``out`` for one sweep: created if needed, then an exclusive lock on ``out/.fedlt.lock``
-    holding our PID (``rundir``: atomic, and a killed holder never blocks, the kernel drops its
-    lock); a second sweep into it is refused naming the first. On exit the lock file goes, and a
-    directory this call created and left empty (a refusal) is removed. Yields the directories it
-    created, deepest first."""
+    """Hold ``out`` for one sweep (fedlt.rundir.hold: created if needed, locked with our PID; a
+    second sweep into it is refused naming the first; a directory this call created and left
+    empty is removed on exit). Yields the directories it created, deepest first."""
     rundir.check_directory(out, "study directory")
-    created = rundir._created_dirs(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FedltError(f"study directory {out}: cannot create it ({rundir.reason(exc)})") from None
-    fd = None
-    try:
-        fd = rundir._lock(out, "one fedlt sweep per study directory; wait for it to end, or use another --out")
+    with rundir.hold(out, "study directory", "one fedlt sweep per study directory; wait for it to end, "
+                     "or use another --out") as created:
         yield created
-    finally:
-        if fd is not None:
-            (out / rundir.LOCK_NAME).unlink(missing_ok=True)  # still held: nobody took it meanwhile
-            os.close(fd)
-        for folder in created:  # only what this call made, and only if nothing was written in it
-            try:
-                folder.rmdir()
-            except OSError:
-                break
 
 
 def jobs_of(study: Study, out: Path, manifest: dict[str, Any], threads: int | None,
