@@ -185,6 +185,16 @@ def isolated(task: Any) -> Any:
                                         for n in ("context", "weights", "state", "payload") if n in names})
 
 
+HELD = ("data", "test")  # a task's fields that never travel: a node or worker holds its own
+
+
+def travelling(task: Any) -> Any:
+    """The task as it crosses to a worker process or a Flower node: every field but the data the
+    other side holds itself (``data``, and ``test`` where the task has one), which are None."""
+    names = {f.name for f in dataclasses.fields(task)}
+    return dataclasses.replace(task, **{n: None for n in HELD if n in names})
+
+
 def failure_reason(exc: BaseException) -> str:
     """How a failed client is recorded: ``failed: <ErrorType>: <first line>`` (as a Flower node's
     error report reads once unwrapped)."""

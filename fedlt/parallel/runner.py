@@ -7,14 +7,14 @@ May import: the bottom layer, fedlt.algorithms, fedlt.parallel.messages, fedlt.p
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, RoundSessions, Runner, Upload
+from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientTask, RoundSessions, Runner, Upload,
+                                       travelling)
 from fedlt.errors import FedltError, ProcessLost
 from fedlt.parallel.messages import pack, unpack
 from fedlt.parallel.pool import WorkerPool
@@ -59,7 +59,7 @@ class ParallelRunner(Runner):
 
     def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
         self._check_bound()
-        packed = [pack(dataclasses.replace(t, data=None), f"task of client {t.cid}") for t in tasks]
+        packed = [pack(travelling(t), f"task of client {t.cid}") for t in tasks]
         sizes = [len(t.data.y) if t.data is not None else 0 for t in tasks]
         replies = self.pool.map_calls(packed, sizes, [t.cid for t in tasks], job, tolerate=self.tolerate)
         self.lost([r for r in replies if isinstance(r, ClientFailure)])
@@ -97,7 +97,7 @@ class ParallelSessions(RoundSessions):
             self.worker_of[k] = i
             heapq.heappush(load, (used + (len(tasks[k].data.y) if tasks[k].data is not None else 0), i))
         self.pending: list[list[tuple[int, str, Any]]] = [
-            [(k, "open", pack(dataclasses.replace(t, data=None), f"task of client {t.cid}"))] for k, t in enumerate(tasks)]
+            [(k, "open", pack(travelling(t), f"task of client {t.cid}"))] for k, t in enumerate(tasks)]
         self.history: dict[int, list] = {i: [] for i in range(pool.size)}  # ops each worker ran this round
 
     def _run(self, op: str) -> list[Any]:
