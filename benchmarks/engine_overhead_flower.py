@@ -85,7 +85,7 @@ def main() -> None:
     from flwr.simulation import run_simulation
 
     from fedlt.flower.client_app import app as client_app
-    from fedlt.flower.server_app import FlowerRounds
+    from fedlt.flower.server_app import FlowerRunner
 
     out = Path(tempfile.mkdtemp(prefix="fedlt-flower-bench-"))
     configs = {name: RunConfig(**settings, rounds=args.rounds, eval_every=args.rounds,
@@ -104,7 +104,7 @@ def main() -> None:
         for name, config in configs.items():
             tag = name.split()[0]
             config = config.model_copy(update={"out": out / f"{tag}-flower", "engine": "flower"})
-            rounds = FlowerRounds(grid, config)
+            rounds = FlowerRunner(grid, config)
             run(config, runner=rounds)
             flower[name] = (common_rows(out / f"{tag}-flower"), rounds)
             nodes = rounds.nodes()

@@ -74,9 +74,9 @@ def _main(argv: list[str] | None) -> None:
     except ValidationError as exc:
         print(f"error: {describe(exc)}", file=sys.stderr)
         sys.exit(2)
-    except FedltError as exc:
+    except FedltError as exc:  # the user's input: 2; a process fedlt started that died (ProcessLost): 1
         print(f"error: {first_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exc.exit_code)
     except OSError as exc:  # paths are checked up front; this is the disk filling or a folder vanishing mid-run
         from fedlt.rundir import reason
 

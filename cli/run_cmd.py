@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedlt.cli.app import app
 from fedlt.cli.flags import PARTITION_OPTIONS, PartitionFlag, check_threads, overlay, resolve_partition
-from fedlt.errors import FedltError, first_line
+from fedlt.errors import FedltError, ProcessLost, first_line
 from fedlt.spec import MAX_DEPTH, parse_spec, parse_value, shown
 
 
@@ -356,6 +356,8 @@ def run(
         raise FedltError(f"{first_line(exc)}, as the scripted availability asked; under on_failure=stop a failed "
                          f"client ends the run (--on-failure drop leaves it out of the round); "
                          f"{kept_checkpoint(Path(cfg.out))}") from None
+    except ProcessLost as exc:  # a worker (or its fork server) died twice: say what is on disk, exit 1
+        raise ProcessLost(f"{first_line(exc)}; {kept_checkpoint(Path(cfg.out))}") from None
     except KeyboardInterrupt as exc:  # a second signal, or a Ctrl-C before the first round: say what is on disk
         progress.stop()
         typer.echo(f"stopped at once; {kept_checkpoint(Path(cfg.out))}", err=True)

@@ -6,7 +6,18 @@ from pydantic import ValidationError
 
 
 class FedltError(Exception):
-    """An error caused by the user's input; the CLI prints it on one line and exits with code 2."""
+    """An error caused by the user's input; the CLI prints it on one line and exits with code 2
+    (``exit_code``)."""
+
+    exit_code = 2
+
+
+class ProcessLost(FedltError):
+    """A process fedlt started (a worker, its fork server) died — killed, out of memory — and
+    the run could not go on: one line naming what died, exit code 1 (not the user's input, not
+    a stop asked by a signal). The last checkpoint stands."""
+
+    exit_code = 1
 
 
 class UnknownNameError(FedltError, KeyError):

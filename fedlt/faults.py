@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientRunner, ClientTask, Upload, evaluate_with
+from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientRunner, ClientTask, RoundSessions, Upload
 from fedlt.errors import FedltError
 
 
@@ -123,27 +123,29 @@ class PolicyRunner:
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "PolicySessions":
         return PolicySessions(self, algorithm, list(tasks))
 
-    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-        """Per-client evaluation goes straight to the transport: the round policy (availability,
-        deadlines, injected faults) governs training rounds, not the evaluation of their result."""
-        return evaluate_with(self.transport, algorithm, tasks)
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Other kinds of one-call work than a round's training (``Runner.each``) go to the
+        transport as they are: the availability model and the fault policy govern training."""
+        return self.transport.each(job, algorithm, tasks)
 
 
-class PolicySessions:
+class PolicySessions(RoundSessions):
     """The round's split-learning sessions under the round policy: late participants never
     start; one unavailable ``after`` sampling leaves at an iteration drawn from its stream; one
     the transport lost leaves when it is lost. A participant that left is None in the uploads
-    and gets no gradient; its result never arrives."""
+    and gets no gradient; its result never arrives (its loss is in the round's log, not in the
+    outputs)."""
 
     def __init__(self, runner: PolicyRunner, algorithm: Any, tasks: list[ClientTask]) -> None:
-        self.runner, self.tasks = runner, tasks
-        self.live = [k for k, t in enumerate(tasks) if not self._late(t)]
+        super().__init__(tasks)
+        self.runner = runner
+        self.started = [k for k, t in enumerate(tasks) if not self._late(t)]  # positions in the transport's sessions
         iterations = tasks[0].schedule.iters or 0 if tasks else 0
         self.leaves = {k: runner.availability.leaves_at(runner.seed, runner.round_index, tasks[k].cid, iterations)
-                       for k in self.live if runner._fails_during_round(tasks[k].cid)}
-        self.gone = set(range(len(tasks))) - set(self.live)
-        self.inner = (runner.transport.exchange(algorithm, [runner._with_fault(tasks[k]) for k in self.live])
-                      if self.live else None)
+                       for k in self.started if runner._fails_during_round(tasks[k].cid)}
+        self.gone = set(range(len(tasks))) - set(self.started)
+        self.inner = (runner.transport.exchange(algorithm, [runner._with_fault(tasks[k]) for k in self.started])
+                      if self.started else None)
         self.iteration = 0
 
     def _late(self, task: ClientTask) -> bool:
@@ -152,30 +154,34 @@ class PolicySessions:
             self.runner.drop(task.cid, reason)
         return bool(reason)
 
+    def drop(self, k: int) -> None:
+        if k not in self.gone and k in self.started:
+            self.inner.drop(self.started.index(k))
+        super().drop(k)
+
     def _outer(self, inner_out: list) -> list:
-        """The transport's outputs placed back at the participants' positions; failures recorded."""
-        out: list = [None] * len(self.tasks)
-        for i, value in zip(range(len(self.live)), inner_out):
-            k = self.live[i]
+        """The transport's outputs placed back at the participants' positions; failures recorded
+        in the round's log (and the participant gone)."""
+        values: dict[int, Any] = {}
+        for k, value in zip(self.started, inner_out):
             if isinstance(value, ClientFailure):
                 self.runner.drop(value.cid, value.reason)
                 self.gone.add(k)
-            elif k not in self.gone:
-                out[k] = value
-        return out
+            else:
+                values[k] = value
+        return self.report(values)
 
     def forward(self) -> list[Upload | None]:
         for k, at in self.leaves.items():
             if at == self.iteration and k not in self.gone:
                 self.runner.drop(self.tasks[k].cid, f"unavailable (left at local iteration {at + 1})")
-                self.gone.add(k)
-                self.inner.drop(self.live.index(k))
+                self.drop(k)
         self.iteration += 1
         return self._outer(self.inner.forward()) if self.inner else [None] * len(self.tasks)
 
     def backward(self, grads: list[torch.Tensor | None]) -> None:
         if self.inner:
-            self.inner.backward([grads[k] for k in self.live])
+            self.inner.backward([grads[k] for k in self.started])
 
     def finish(self) -> list[ClientResult]:
         out = self._outer(self.inner.finish()) if self.inner else []

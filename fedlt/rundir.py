@@ -30,7 +30,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -215,23 +215,24 @@ def _refuse_foreign(out: Path) -> None:
 
 
 @contextmanager
-def claim(out: Path, *, resume: bool) -> Iterator[Path]:
-    """Hold ``out`` for one run (module docstring). A resume needs the run there already."""
-    out = Path(out)
-    check_directory(out, "--resume" if resume else "--out")
-    if resume and not out.is_dir():
-        raise FedltError(f"cannot resume {out}: no such directory")
+def hold(out: Path, what: str, busy: str, check: Callable[[Path], None] | None = None) -> Iterator[list[Path]]:
+    """Hold the directory ``out`` for one process (a run, a sweep): created if needed, then an
+    exclusive lock on ``out/.fedlt.lock`` holding our PID (atomic; a killed holder never blocks:
+    the kernel drops its lock); a second holder is refused naming the first, ``busy`` saying what
+    to do. ``check(out)`` runs once it is held. On exit the lock file goes, and a directory this
+    call created and left empty (a refusal) is removed. Yields the directories it created,
+    deepest first."""
     created = _created_dirs(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FedltError(f"--out {out}: cannot create it ({reason(exc)})") from None
+        raise FedltError(f"{what} {out}: cannot create it ({reason(exc)})") from None
     fd = None
     try:
-        fd = _lock(out)
-        if not resume:
-            _refuse_foreign(out)
-        yield out
+        fd = _lock(out, busy)
+        if check is not None:
+            check(out)
+        yield created
     finally:
         if fd is not None:
             (out / LOCK_NAME).unlink(missing_ok=True)  # still held: nobody can have taken it meanwhile
@@ -241,3 +242,15 @@ def claim(out: Path, *, resume: bool) -> Iterator[Path]:
                 folder.rmdir()
             except OSError:
                 break
+
+
+@contextmanager
+def claim(out: Path, *, resume: bool) -> Iterator[Path]:
+    """Hold ``out`` for one run (module docstring). A resume needs the run there already."""
+    out = Path(out)
+    check_directory(out, "--resume" if resume else "--out")
+    if resume and not out.is_dir():
+        raise FedltError(f"cannot resume {out}: no such directory")
+    with hold(out, "--out", "one process per run directory; wait for it to end, or use another --out",
+              None if resume else _refuse_foreign):
+        yield out

@@ -11,6 +11,8 @@ threads may be running.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,3 +48,25 @@ def main_not_rerun() -> Iterator[None]:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+def exit_words(code: int | None) -> str:
+    """How a process ended, in words: ``killed by SIGKILL``, ``exit code 1``, ``still running``."""
+    if code is None:
+        return "still running"
+    if code < 0 and -code in signal.valid_signals():
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def alive(pid: int | None) -> bool:
+    """Whether a process with this id exists (ours: a worker whose exit we could not read)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

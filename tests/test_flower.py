@@ -133,7 +133,7 @@ def test_missing_supernodes_are_a_clear_error_after_a_bounded_wait(tmp_path, mon
     monkeypatch.setattr(server_app, "time", types.SimpleNamespace(monotonic=lambda: clock.now, sleep=sleep,
                                                                   perf_counter=lambda: clock.now))
     grid = NoNodes()
-    rounds = server_app.FlowerRounds(grid, config("fedavg", tmp_path / "r"), node_wait=1.0)
+    rounds = server_app.FlowerRunner(grid, config("fedavg", tmp_path / "r"), node_wait=1.0)
     with pytest.raises(FedltError, match=r"no SuperNode holds partition\(s\) \[0, 1, 2\] of 3 after 1s"):
         rounds.nodes()
     # it kept asking for nodes every 0.5 s until node_wait had passed, then stopped

@@ -297,7 +297,7 @@ class Links:
 
 
 def test_a_listed_dead_node_costs_no_wait_and_a_new_node_is_asked_once(tmp_path, monkeypatch):
-    """What the loopback run needs from FlowerRounds, without processes: the first ask ends once
+    """What the loopback run needs from FlowerRunner, without processes: the first ask ends once
     every partition has a node (a dead node still listed is not waited for); a node the
     SuperLink declares unavailable is its client's failure with Flower's reason, not a late reply
     (its error comes from the SuperLink, not from the node); at the next round's start only the
@@ -307,13 +307,13 @@ def test_a_listed_dead_node_costs_no_wait_and_a_new_node_is_asked_once(tmp_path,
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedlt.algorithms.protocol import ClientFailure
-    from fedlt.flower.server_app import FlowerRounds
+    from fedlt.flower.server_app import FlowerRunner
 
     for field in ("_task_id", "_run_id", "_node_id"):  # what a ServerApp process has, to create messages
         monkeypatch.setattr(TaskIdentity, field, 1)
     grid = Links({10: 0, 11: None, 12: 1})
     config = RunConfig(clients=2, faults={"on_failure": "drop", "round_timeout": 30}, out=tmp_path)
-    rounds = FlowerRounds(grid, config, node_wait=60)
+    rounds = FlowerRunner(grid, config, node_wait=60)
     started = time.monotonic()
     assert rounds.nodes() == {0: 10, 1: 12}
     assert time.monotonic() - started < 5 and sorted(grid.asked) == [10, 11, 12]

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from fedlt.cli import main
 from fedlt.config import MAX_WORKERS, RunConfig
-from fedlt.errors import describe
+from fedlt.errors import ProcessLost, describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -92,3 +92,21 @@ def test_workers_beyond_the_bound_on_the_cli_creates_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     err = one_line_exit_2(["run", *TINY, "--workers", str(HUGE), "--out", str(out)], capsys)
     assert f"from 1 to {MAX_WORKERS}" in err and not out.exists()
+
+
+def test_a_dead_worker_process_is_one_line_and_exit_code_1(tmp_path, capsys, monkeypatch):
+    """Issue 35: a worker process that died (ProcessLost, tests/test_parallel.py makes one) ends the
+    run in one line naming it and what is on disk, exit 1 — not "stopped" / 130, not a traceback."""
+    import fedlt.engine
+
+    def dies(config, **kwargs):
+        raise ProcessLost("client 3: its worker was lost twice (worker 1 (pid 4242) died (killed by SIGKILL))")
+
+    monkeypatch.setattr(fedlt.engine, "run", dies)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["run", *TINY, "--workers", "2", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: client 3") and "Traceback" not in err, err
+    assert "worker 1 (pid 4242) died (killed by SIGKILL)" in err and "no checkpoint had been written" in err, err

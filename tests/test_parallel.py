@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ from fedlt import io, wire
 from fedlt.algorithms.protocol import ClientFailure
 from fedlt.config import RunConfig
 from fedlt.engine import run
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, ProcessLost
 from fedlt.parallel import ParallelRunner, WorkerPool, pack, resolve_workers, shared_train_set
+from fedlt.start_method import alive
 from fedlt.testing import check_parallel
 from fedlt.testing.algorithms import TINY
 from fedlt.testing.engines import differences
@@ -57,10 +59,10 @@ def test_every_registered_algorithm_is_bit_identical_with_two_workers(pool):
 
 def test_the_contract_catches_a_runner_that_changes_a_result(pool, tmp_path, monkeypatch):
     """check_parallel is not vacuous: a worker result nudged by one ulp fails it, naming the property."""
-    import fedlt.parallel
+    import fedlt.parallel.runner
     from fedlt.testing import ContractError
 
-    real = fedlt.parallel.unpack
+    real = fedlt.parallel.runner.unpack
 
     def nudged(packed, device="cpu"):
         value = real(packed, device)
@@ -69,7 +71,7 @@ def test_the_contract_catches_a_runner_that_changes_a_result(pool, tmp_path, mon
             value.weights[first] = torch.nextafter(value.weights[first], torch.full_like(value.weights[first], 9.0))
         return value
 
-    monkeypatch.setattr(fedlt.parallel, "unpack", nudged)
+    monkeypatch.setattr(fedlt.parallel.runner, "unpack", nudged)  # where the runner reads the workers' results
     with pytest.raises(ContractError, match=r"algorithm 'fedavg' breaks \[bit-identical with workers\]"):
         check_parallel(["fedavg"], pool=pool, rounds=1)
 
@@ -112,15 +114,70 @@ def test_a_killed_worker_is_replaced_and_its_clients_rerun(pool, tmp_path):
     assert same_end(tmp_path / "scala-1", tmp_path / "scala-2") == []
 
 
-def test_a_task_whose_worker_dies_twice_is_a_client_failure(pool):
-    """A task that kills its worker each time: a ClientFailure naming the client, after one
-    re-run; the pool is whole again afterwards (both workers answer)."""
+def test_a_task_whose_worker_dies_twice_is_a_client_failure(pool, monkeypatch):
+    """A task whose worker dies each time (killed by its pid, the task in flight): a ClientFailure
+    naming the client, after one re-run; the pool is whole again afterwards (both workers answer)."""
     before = pool.replaced
-    out = pool.map_calls([pack(None, "x")], [1], [7], message="die")
+    send = pool._send
+
+    def kill_then_send(i, message):
+        if message[0] == "call":  # the worker is dead when its task goes out: lost with it in flight
+            os.kill(pool.procs[i].process.pid, signal.SIGKILL)
+            pool.procs[i].process.join(10)
+        send(i, message)
+
+    monkeypatch.setattr(pool, "_send", kill_then_send)
+    out = pool.map_calls([pack(None, "x")], [1], [7])
+    monkeypatch.undo()
     assert len(out) == 1 and isinstance(out[0], ClientFailure)
     assert out[0].cid == 7 and out[0].reason.startswith("failed: its worker was lost twice")
     assert pool.replaced == before + 2
     assert all(pool._ask(i, ("ping",), 60, "pinging") == pool.procs[i].process.pid for i in range(pool.size))
+
+
+def test_a_worker_lost_twice_ends_the_run_in_one_line_naming_what_died(pool, tmp_path, monkeypatch):
+    """Issue 35: a worker killed twice under on_failure=stop is not a stop asked by a signal nor
+    the user's input: ProcessLost (exit code 1), one line naming the client, the worker and how
+    it died; the pool is whole again afterwards."""
+    send = pool._send
+
+    def kill_then_send(i, message):
+        if message[0] == "call":
+            os.kill(pool.procs[i].process.pid, signal.SIGKILL)
+            pool.procs[i].process.join(10)
+        send(i, message)
+
+    monkeypatch.setattr(pool, "_send", kill_then_send)
+    with pytest.raises(ProcessLost) as info:
+        run(RunConfig(**dict(TINY, algorithm="fedavg", model="mlp", rounds=1), workers=2, out=tmp_path / "r"),
+            runner=ParallelRunner(pool))
+    monkeypatch.undo()
+    line = str(info.value)
+    assert info.value.exit_code == 1 and "\n" not in line
+    assert "its worker was lost twice" in line and "died (killed by SIGKILL)" in line and "pid" in line, line
+    assert all(pool._ask(i, ("ping",), 60, "pinging") == pool.procs[i].process.pid for i in range(pool.size))
+
+
+def test_a_killed_fork_server_is_named_and_the_run_goes_on_exactly_with_no_traceback(pool, tmp_path, capfd):
+    """Issue 35: SIGKILL of the fork server the workers came from: the workers' exits can no longer
+    be read, so each is named as the fork server's loss, stopped by its pid and replaced from a new
+    fork server; the run ends as in one process and no worker prints a traceback."""
+    import multiprocessing.forkserver as forkserver
+
+    server = forkserver._forkserver._forkserver_pid
+    assert server and all(p.forked for p in pool.procs)
+    old = [p.process.pid for p in pool.procs]
+    os.kill(server, signal.SIGKILL)
+    pool.procs[0].process.join(10)  # its exit is read through the dead server: unknown (255)
+    assert "the fork server of worker 0" in pool.procs[0].why_lost()
+    fedavg = dict(TINY, algorithm="fedavg", model="mlp", rounds=1)
+    run(RunConfig(**fedavg, out=tmp_path / "one"))
+    run(RunConfig(**fedavg, workers=2, out=tmp_path / "two"), runner=ParallelRunner(pool))
+    assert same_end(tmp_path / "one", tmp_path / "two") == []
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in old)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_client_work_errors_arrive_as_themselves_and_the_pool_stays_in_step(pool, tmp_path):

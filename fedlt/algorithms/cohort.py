@@ -41,7 +41,7 @@ from fedlt.algorithms.base import (backward_precision, build_objective, client_g
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
                                             trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
-                                       evaluate_with, isolated)
+                                       isolated)
 from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
@@ -316,8 +316,9 @@ class CohortRunner:
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
         return self.transport.exchange(algorithm, tasks)
 
-    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-        return evaluate_with(self.transport, algorithm, tasks)
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Other kinds of one-call work (``Runner.each``): the transport's, one client at a time."""
+        return self.transport.each(job, algorithm, tasks)
 
 
 def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:

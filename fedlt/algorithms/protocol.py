@@ -111,7 +111,8 @@ for _cls in (ClientTask, ClientResult, Upload, ClientFailure, RoundContext, Mode
 class Sessions(Protocol):
     """The round's split-learning sessions, driven together. An entry is None (forward, finish)
     for a participant that has left the round — told to leave (``drop``) or lost (a transport
-    that tolerates failures reports a ClientFailure there instead, once)."""
+    that tolerates failures reports a ClientFailure there instead, once). The transports share
+    this bookkeeping: :class:`RoundSessions`."""
 
     def forward(self) -> list[Upload | ClientFailure | None]: ...
     def backward(self, grads: list[torch.Tensor | None]) -> None: ...
@@ -122,7 +123,9 @@ class Sessions(Protocol):
 class ClientRunner(Protocol):
     """An engine's way of running client work (STYLE.md: the engine drives the two sides). A
     transport that tolerates failures (the round policy's ``on_failure="drop"``) returns a
-    ClientFailure in place of a lost participant's result; otherwise a failure raises."""
+    ClientFailure in place of a lost participant's result; otherwise a failure raises. The
+    transports share one base: :class:`Runner` (and every kind of one-call work goes through its
+    ``each``)."""
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]: ...
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions: ...
@@ -179,12 +182,22 @@ def copy_tensors(value: Any) -> Any:
 
 
 def isolated(task: Any) -> Any:
-    """The task (a ClientTask or an EvalTask) with its own copies of what it shares with the server
-    (the global weights, the strategy's payload, the store's state, the round context); its data
-    is already its own."""
-    shared = ("context", "weights", "state", "payload")
-    return dataclasses.replace(task, **{name: copy_tensors(getattr(task, name)) for name in shared
-                                        if hasattr(task, name)})
+    """The task (a ClientTask, or another work order with some of these fields) with its own
+    copies of what it shares with the server (the global weights, the strategy's payload, the
+    store's state, the round context); its data is already its own."""
+    names = {f.name for f in dataclasses.fields(task)}
+    return dataclasses.replace(task, **{n: copy_tensors(getattr(task, n))
+                                        for n in ("context", "weights", "state", "payload") if n in names})
+
+
+HELD = ("data", "test")  # a task's fields that never travel: a node or worker holds its own
+
+
+def travelling(task: Any) -> Any:
+    """The task as it crosses to a worker process or a Flower node: every field but the data the
+    other side holds itself (``data``, and ``test`` where the task has one), which are None."""
+    names = {f.name for f in dataclasses.fields(task)}
+    return dataclasses.replace(task, **{n: None for n in HELD if n in names})
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -258,99 +271,139 @@ class SeededSession:
         self.rng = dict(after)
 
 
-class LocalSessions:
-    """The round's sessions in this process, one after another. ``tolerate``: a session whose
-    call raises leaves the round, reported once as a ClientFailure (its first error line) in the
-    next forward's or finish's output."""
+class RoundSessions:
+    """The bookkeeping every transport's sessions share (local, worker processes, Flower nodes;
+    the round policy's wrapper uses ``gone`` / ``drop`` / ``live``): which participants have left
+    the round — told to (``drop``) or lost (``fail``) — and each loss reported once, as a
+    ClientFailure in the next output that returns (``report``: a forward's or a finish's). A
+    participant that left gets no more calls and is None in every later output.
 
-    def __init__(self, algorithm: Any, tasks: Sequence[ClientTask], tolerate: bool = False) -> None:
-        self.tasks, self.tolerate = list(tasks), tolerate
+    A subclass implements ``forward`` / ``backward`` / ``finish`` by calling its live sessions
+    (``live()``), ``fail``-ing those it loses, and returning ``report(values)``."""
+
+    def __init__(self, tasks: Sequence[Any]) -> None:
+        self.tasks = list(tasks)
         self.gone: set[int] = set()
         self.unreported: dict[int, ClientFailure] = {}
-        self.sessions = [self._guard(k, lambda t=t: SeededSession(algorithm, isolated(t)))
-                         for k, t in enumerate(self.tasks)]
 
-    def _guard(self, k: int, call: Any) -> Any:
-        if not self.tolerate:
-            return call()
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
+    def drop(self, k: int) -> None:
+        self.gone.add(k)
+
+    def live(self) -> list[int]:
+        return [k for k in range(len(self.tasks)) if k not in self.gone]
+
+    def fail(self, k: int, reason: str) -> None:
+        """Participant ``k`` is lost (its first loss counts): it leaves, to be reported once."""
+        if k not in self.gone:
             self.gone.add(k)
-            self.unreported[k] = ClientFailure(self.tasks[k].cid, failure_reason(exc))
-            return None
+            self.unreported[k] = ClientFailure(self.tasks[k].cid, reason)
 
-    def _each(self, method: str, args: list | None = None) -> list:
-        out = [None if k in self.gone else
-               self._guard(k, lambda s=s, k=k: getattr(s, method)(*(() if args is None else (args[k],))))
-               for k, s in enumerate(self.sessions)]
+    def report(self, values: dict[int, Any]) -> list[Any]:
+        """The output of one call, in task order: ``values[k]`` for a participant still in the
+        round, the ClientFailure of one lost since the last report, None for the others."""
+        out = [None if k in self.gone else values.get(k) for k in range(len(self.tasks))]
         for k, failure in self.unreported.items():
             out[k] = failure
         self.unreported = {}
         return out
 
-    def forward(self) -> list[Upload | ClientFailure | None]:
-        return self._each("forward")
 
-    def backward(self, grads: list[torch.Tensor | None]) -> None:
-        kept = self.unreported  # a failure in a backward is reported by the next call that returns
-        self.unreported = {}
-        for k, s in enumerate(self.sessions):
-            if k not in self.gone:
-                self._guard(k, lambda s=s, k=k: s.backward(grads[k]))
-        self.unreported = kept | self.unreported
+class Runner:
+    """The base of the transports' ClientRunners (this process, worker processes, Flower nodes).
 
-    def finish(self) -> list[ClientResult | ClientFailure | None]:
-        return self._each("finish")
+    ``tolerate``: a participant whose work raises (or whose transport loses it) becomes a
+    ClientFailure instead of stopping the run (the round policy's ``on_failure="drop"``).
 
-    def drop(self, k: int) -> None:
-        self.gone.add(k)
-
-
-class LocalRunner:
-    """The local engine's runner: every participant in this process, one after another, each on
-    its own copies of what it received. ``tolerate``: a participant whose work raises becomes a
-    ClientFailure (its first error line) instead of stopping the run."""
+    Every kind of one-call client work goes through ``each(job, algorithm, tasks)``: run
+    ``CLIENT_CALLS[job](algorithm, task)`` once per task wherever the transport's clients are,
+    results (or ClientFailures) in task order. ``call`` is the ``"work"`` job; another kind of
+    one-call work (e.g. a per-client evaluation) registers its client function in CLIENT_CALLS
+    and adds a one-line method here (``return self.each("evaluate", algorithm, tasks)``), and
+    every transport runs it with no code of its own. ``exchange`` opens the round's sessions."""
 
     def __init__(self, tolerate: bool = False) -> None:
         self.tolerate = tolerate
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
-        out: list[ClientResult | ClientFailure] = []
-        for t in tasks:
-            if not self.tolerate:
-                out.append(run_client(algorithm, isolated(t)))
-                continue
-            try:
-                out.append(run_client(algorithm, isolated(t)))
-            except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
-                out.append(ClientFailure(t.cid, failure_reason(exc)))
+        return self.each("work", algorithm, tasks)
+
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        """Per-client evaluation (fedlt.algorithms.personal): each EvalTask's ClientScores."""
+        return self.each("evaluate", algorithm, tasks)
+
+    def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
+        raise NotImplementedError
+
+    def guarded(self, cid: int, work: Callable[[], Any]) -> Any:
+        """``work()``; under ``tolerate``, an error of it becomes client ``cid``'s ClientFailure."""
+        return guarded(self.tolerate, cid, work)
+
+
+def guarded(tolerate: bool, cid: int, work: Callable[[], Any]) -> Any:
+    """``work()``; when ``tolerate``, an error of it is client ``cid``'s ClientFailure (its first
+    error line) instead (a worker process runs this too, with its runner's ``tolerate``)."""
+    if not tolerate:
+        return work()
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001  (any failure of client work drops the client)
+        return ClientFailure(cid, failure_reason(exc))
+
+
+class LocalSessions(RoundSessions):
+    """The round's sessions in this process, one after another. ``tolerate``: a session whose
+    call raises leaves the round, reported once as a ClientFailure (its first error line) in the
+    next forward's or finish's output."""
+
+    def __init__(self, algorithm: Any, tasks: Sequence[ClientTask], tolerate: bool = False) -> None:
+        super().__init__(tasks)
+        self.tolerate = tolerate
+        self.sessions = [self._guard(k, lambda t=t: SeededSession(algorithm, isolated(t)))
+                         for k, t in enumerate(self.tasks)]
+
+    def _guard(self, k: int, call: Callable[[], Any]) -> Any:
+        out = guarded(self.tolerate, self.tasks[k].cid, call)
+        if isinstance(out, ClientFailure):
+            self.fail(k, out.reason)
+            return None
         return out
+
+    def _each(self, method: str, args: list | None = None) -> dict[int, Any]:
+        return {k: self._guard(k, lambda s=self.sessions[k], k=k: getattr(s, method)(*(() if args is None else (args[k],))))
+                for k in self.live()}
+
+    def forward(self) -> list[Upload | ClientFailure | None]:
+        return self.report(self._each("forward"))
+
+    def backward(self, grads: list[torch.Tensor | None]) -> None:
+        self._each("backward", grads)  # a failure here is reported by the next call that returns
+
+    def finish(self) -> list[ClientResult | ClientFailure | None]:
+        return self.report(self._each("finish"))
+
+
+class LocalRunner(Runner):
+    """The local engine's runner: every participant in this process, one after another, each on
+    its own copies of what it received. ``tolerate``: a participant whose work raises becomes a
+    ClientFailure (its first error line) instead of stopping the run."""
+
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
+        work = CLIENT_CALLS[job]
+        return [self.guarded(t.cid, lambda t=t: work(algorithm, isolated(t))) for t in tasks]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
         return LocalSessions(algorithm, tasks, self.tolerate)
 
-    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-        """Each EvalTask's ClientScores (fedlt.algorithms.personal.evaluate_client), one client
-        after another on its own copies; under ``tolerate`` a failure becomes a ClientFailure."""
-        return [evaluate_here(algorithm, t, self.tolerate) for t in tasks]
-
 
 def evaluate_with(runner: Any, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-    """``runner.evaluate(algorithm, tasks)``; a runner without one (a user's own) has its clients'
-    evaluations run in this process."""
-    evaluate = getattr(runner, "evaluate", None)
-    if evaluate is not None:
-        return evaluate(algorithm, tasks)
-    return [evaluate_here(algorithm, t, bool(getattr(runner, "tolerate", False))) for t in tasks]
-
-
-def evaluate_here(algorithm: Any, task: Any, tolerate: bool) -> Any:
-    """One EvalTask run in this process (a worker process and a Flower node run this too)."""
-    if not tolerate:
-        return CLIENT_CALLS["evaluate"](algorithm, isolated(task))
-    try:
-        return CLIENT_CALLS["evaluate"](algorithm, isolated(task))
-    except Exception as exc:  # noqa: BLE001  (a client whose evaluation fails is reported, not fatal)
-        return ClientFailure(task.cid, failure_reason(exc))
-
+    """Each EvalTask's ClientScores through ``runner``: its ``evaluate``, else its ``each`` (a
+    wrapper such as the round policy's), else (a user's own runner) in this process."""
+    if hasattr(runner, "evaluate"):
+        return runner.evaluate(algorithm, tasks)
+    if hasattr(runner, "each"):
+        return runner.each("evaluate", algorithm, tasks)
+    tolerate = bool(getattr(runner, "tolerate", False))
+    return [guarded(tolerate, t.cid, lambda t=t: CLIENT_CALLS["evaluate"](algorithm, isolated(t))) for t in tasks]

@@ -27,7 +27,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import signal
 import stat
 import threading
 import warnings
@@ -43,7 +42,7 @@ from fedlt.datasets import register
 from fedlt.datasets.base import MAX_CLASSES, InMemoryDataset, normalise, npy_header
 from fedlt.errors import FedltError, first_line
 from fedlt.spec import shown
-from fedlt.start_method import process_context
+from fedlt.start_method import exit_words, process_context
 
 WHAT = "dataset imagefolder"
 # torchvision's IMG_EXTENSIONS, and GIF; anything else in a class folder is skipped, as torchvision does
@@ -530,10 +529,7 @@ def _dead_workers(loader: Any) -> str:
     gone = []
     for worker in workers:
         if not worker.is_alive():
-            code = worker.exitcode
-            how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
-                   -code in signal.valid_signals() else f"exit code {code}")
-            gone.append(f"pid {worker.pid}, {how}")
+            gone.append(f"pid {worker.pid}, {exit_words(worker.exitcode)}")
     return "; ".join(gone)
 
 

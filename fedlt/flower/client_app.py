@@ -26,7 +26,6 @@ Both run the client in its own random stream (``fedlt.algorithms.protocol``), as
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession, run_client
+from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession
 from fedlt.errors import FedltError
 from fedlt.flower import codec
 from fedlt.run import parts
@@ -65,15 +64,7 @@ def client_data(prep, cid: int, context: Context) -> ClientData:
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    content = message.content
-    prep = prepared(content["run"], context)
-    device = torch.device(prep.config.device)
-    task = codec.value(content, device)
-    data = client_data(prep, _cid(content), context)  # also checks the node holds this client
-    task = dataclasses.replace(task, data=None if task.mode == "global_local" else data,
-                               test=parts.client_test_data(prep, task.cid, device))
-    return Message(codec.content(CLIENT_CALLS["evaluate"](prep.algorithm, task), f"scores of client {task.cid}"),
-                   reply_to=message)
+    return one_call("evaluate", message, context)
 
 
 @app.query("partition")
@@ -82,12 +73,19 @@ def partition(message: Message, context: Context) -> Message:
                    reply_to=message)
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
+def one_call(job: str, message: Message, context: Context) -> Message:
+    """One-call work of kind ``job`` (fedlt.algorithms.protocol.CLIENT_CALLS) on the received task;
+    the server side's ``FlowerRunner.each`` sends it as the message type ``MESSAGE_TYPES[job]``."""
     content = message.content
     prep = prepared(content["run"], context)
-    task = codec.task_from(content, client_data(prep, _cid(content), context), prep.config.device)
-    return Message(codec.content(run_client(prep.algorithm, task), f"result of client {task.cid}"), reply_to=message)
+    task = parts.with_held(prep, codec.value(content, prep.config.device), client_data(prep, _cid(content), context))
+    result = CLIENT_CALLS[job](prep.algorithm, task)
+    return Message(codec.content(result, f"result of client {task.cid}"), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    return one_call("work", message, context)
 
 
 def _cid(content: RecordDict) -> int:

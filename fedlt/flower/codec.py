@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedlt import wire
 from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import ClientTask
+from fedlt.algorithms.protocol import ClientTask, travelling
 
 
 def records(value: Any, name: str = "value") -> dict[str, Any]:
@@ -36,7 +36,7 @@ def value(content: RecordDict, device: torch.device | str = "cpu") -> Any:
 
 def task_content(task: ClientTask) -> RecordDict:
     """A task as message content: every field but its data (the node holds its own)."""
-    return content(dataclasses.replace(task, data=None), f"task of client {task.cid}")
+    return content(travelling(task), f"task of client {task.cid}")
 
 
 def task_from(content: RecordDict, data: ClientData, device: torch.device | str = "cpu") -> ClientTask:

@@ -1,6 +1,6 @@
 """The ServerApp: fedlt's own run loop (fedlt.run.loop.run) with each round's client work sent
 as Flower messages through the Grid. The algorithm's round logic is not repeated here: the loop
-calls ``algorithm.train_round(..., runner)`` with ``FlowerRounds`` as the runner, and the
+calls ``algorithm.train_round(..., runner)`` with ``FlowerRunner`` as the runner, and the
 algorithm asks it for one-call work (``call``: one ``train`` message per participant) or for
 sessions (``exchange``: ``train.step`` messages), whatever its class; the loop's per-client
 evaluation (``evaluate``) is Flower's federated evaluation: one ``evaluate`` message per client.
@@ -13,7 +13,6 @@ SuperNodes to connect, default 120).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, Upload
+from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, RoundSessions, Runner, Upload
 from fedlt.config import RunConfig, read_config_file
 from fedlt.errors import FedltError, first_line
 from fedlt.flower import codec
@@ -34,16 +33,22 @@ NODE_WAIT_S = 120.0  # how long to wait for the SuperNodes to connect
 REPLY_WAIT_S = 3600.0  # how long one exchange may take (a round's local training, at most)
 
 
-class FlowerRounds:
+# the Flower message type of each kind of one-call work (fedlt.algorithms.protocol.CLIENT_CALLS);
+# the ClientApp answers each with that work
+MESSAGE_TYPES = {"work": "train", "evaluate": "evaluate"}  # per-client evaluation: federated evaluation
+
+
+class FlowerRunner(Runner):
     """A ClientRunner (fedlt.algorithms.protocol) that sends a round's tasks to the nodes holding
-    the participants' partitions and collects the replies."""
+    the participants' partitions and collects the replies. A lost node's client is dropped, not
+    fatal, under ``faults.on_failure="drop"`` (``tolerate``)."""
 
     def __init__(self, grid: Grid, config: RunConfig, node_wait: float = NODE_WAIT_S,
                  reply_wait: float | None = None) -> None:
+        super().__init__(tolerate=config.faults.on_failure == "drop")
         # the round policy's deadline is the wait for replies too (docs/faults.md)
         reply_wait = reply_wait or config.faults.round_timeout or REPLY_WAIT_S
         self.grid, self.config, self.node_wait, self.reply_wait = grid, config, node_wait, reply_wait
-        self.tolerate = config.faults.on_failure == "drop"  # a lost node's client is dropped, not fatal
         self.device = torch.device(config.device)
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
@@ -55,7 +60,7 @@ class FlowerRounds:
         self.exchange_s: list[float] = []  # wall time of each, send to last reply (benchmarks read it)
 
     # -- the runner ------------------------------------------------------------------------------
-    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+    def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
         self.round_index = tasks[0].round_index if tasks else self.round_index
         self.nodes()
         contents = []
@@ -63,24 +68,13 @@ class FlowerRounds:
             content = codec.task_content(t)
             content["client"] = ConfigRecord({"cid": t.cid})
             contents.append((t.cid, content))
-        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in self.send("train", contents)]
+        replies = self.send(MESSAGE_TYPES[job], contents)
+        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in replies]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "FlowerSessions":
         self.round_index = tasks[0].round_index if tasks else self.round_index
         self.nodes()
         return FlowerSessions(self, list(tasks))
-
-    def evaluate(self, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-        """Federated evaluation: one ``evaluate`` message per EvalTask (without its data and test
-        set: the node slices its own), its ClientScores back (or a ClientFailure)."""
-        self.nodes()
-        contents = []
-        for t in tasks:
-            content = codec.content(dataclasses.replace(t, data=None, test=None), f"evaluation of client {t.cid}")
-            content["client"] = ConfigRecord({"cid": t.cid})
-            contents.append((t.cid, content))
-        replies = self.send("evaluate", contents)
-        return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in replies]
 
     # -- messages --------------------------------------------------------------------------------
     def nodes(self) -> dict[int, int]:
@@ -186,20 +180,20 @@ def error_line(reason: str) -> str:
     return f"{found[-1][0]}: {found[-1][1].strip()}" if found else first_line(plain)
 
 
-class FlowerSessions:
+class FlowerSessions(RoundSessions):
     """The round's split-learning sessions on their nodes. ``backward`` sends nothing by itself:
     the gradients ride on the next ``forward`` (or ``finish``) message, so a round of T local
     iterations is T + 1 round trips per participant instead of 2T + 1. A participant that left
-    (``drop``, or lost: a ClientFailure, reported once) gets no more messages."""
+    (``drop``, or lost: a ClientFailure, reported once) gets no more messages (RoundSessions)."""
 
-    def __init__(self, rounds: FlowerRounds, tasks: list[ClientTask]) -> None:
-        self.rounds, self.tasks = rounds, tasks
+    def __init__(self, runner: FlowerRunner, tasks: list[ClientTask]) -> None:
+        super().__init__(tasks)
+        self.runner = runner
         self.opened = False
         self.grads: list[torch.Tensor | None] = [None] * len(tasks)
-        self.gone: set[int] = set()
 
     def _exchange(self, finish: bool) -> list:
-        live = [k for k in range(len(self.tasks)) if k not in self.gone]
+        live = self.live()
         contents = []
         for k in live:
             task, grad = self.tasks[k], self.grads[k]
@@ -211,14 +205,13 @@ class FlowerSessions:
             content["step"] = ConfigRecord({"finish": finish})
             contents.append((task.cid, content))
         self.opened, self.grads = True, [None] * len(self.tasks)
-        out: list = [None] * len(self.tasks)
-        for k, reply in zip(live, self.rounds.send("train.step", contents) if contents else []):
+        values: dict[int, Any] = {}
+        for k, reply in zip(live, self.runner.send("train.step", contents) if contents else []):
             if isinstance(reply, ClientFailure):
-                self.gone.add(k)
-                out[k] = reply
+                self.fail(k, reply.reason)
             else:
-                out[k] = codec.value(reply, self.rounds.device)
-        return out
+                values[k] = codec.value(reply, self.runner.device)
+        return self.report(values)
 
     def forward(self) -> list[Upload | ClientFailure | None]:
         return self._exchange(finish=False)
@@ -228,9 +221,6 @@ class FlowerSessions:
 
     def finish(self) -> list[ClientResult | ClientFailure | None]:
         return self._exchange(finish=True)
-
-    def drop(self, k: int) -> None:
-        self.gone.add(k)
 
 
 app = ServerApp()
@@ -243,7 +233,7 @@ def main(grid: Grid, context: Context) -> None:
     if "config" not in settings:
         raise FedltError("the ServerApp needs a fedlt config file: flwr run ... --run-config 'config=\"run.toml\"'")
     config = RunConfig.model_validate(read_config_file(Path(str(settings["config"]))))
-    rounds = FlowerRounds(grid, config, node_wait=float(settings.get("node-wait", NODE_WAIT_S)))
-    summary = loop.run(config, resume=bool(settings.get("resume", False)), runner=rounds)
+    runner = FlowerRunner(grid, config, node_wait=float(settings.get("node-wait", NODE_WAIT_S)))
+    summary = loop.run(config, resume=bool(settings.get("resume", False)), runner=runner)
     print(f"fedlt: final accuracy {summary['final']['accuracy']:.4f} after {summary['rounds']} rounds -> {config.out}",
           flush=True)

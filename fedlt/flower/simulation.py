@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from fedlt.errors import FedltError, first_line
 from fedlt.flower import require
 from fedlt.flower.processes import ProcessGuard
 from fedlt.run import loop
-from fedlt.run.signals import StoppedAtOnce
+from fedlt.run.signals import StoppedAtOnce, TwoSignalStop
 
 # the simulation's SuperNodes exist from the start and answer once Ray has started their actors,
 # which a loaded machine can delay beyond a deployment's 120 s: wait longer, there is nothing to miss
@@ -59,45 +58,29 @@ def run(config: RunConfig, *, resume: bool = False, on_round: Callable[[int, dic
     return simulate([Job(config, resume, on_round, on_start)])[0]["summary"]
 
 
-class StopSignals:
-    """SIGINT / SIGTERM in the main thread while the loop runs in ``loop_thread`` (module docstring)."""
+class StopSignals(TwoSignalStop):
+    """SIGINT / SIGTERM in the main thread while the loop runs in ``loop_thread`` (module
+    docstring): the first is recorded (the loop asks for it after each round); the second is
+    raised as StoppedAtOnce inside the loop's thread; a third stops the runtime's processes."""
 
     def __init__(self, stop_processes: Callable[[], None]) -> None:
-        self.first: int | None = None
-        self.count = 0
+        super().__init__()
         self.loop_thread: threading.Thread | None = None
         self.in_loop = False  # the loop thread is inside fedlt's run loop (not Flower's code around it)
         self.stop_processes = stop_processes
-        self._previous: dict[int, Any] = {}
 
-    def handler(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.first is None:
-            self.first = signum
-            return
-        if self.count == 2 and self.in_loop:
+    def again(self, signum: int, count: int) -> None:
+        if count == 2 and self.in_loop:
             class Second(StoppedAtOnce):  # raised by class, not instance: the signal travels in it
                 def __init__(self) -> None:
                     super().__init__(signum)
 
             # the loop's thread cannot receive the signal itself: raise in it at its next bytecode
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.loop_thread.ident), ctypes.py_object(Second))
-        elif self.count == 2 and self.loop_thread is None:  # Ray is starting: nothing of the run's to finish
+        elif count == 2 and self.loop_thread is None:  # Ray is starting: nothing of the run's to finish
             raise StoppedAtOnce(signum)
-        elif self.count >= 3:  # the runtime does not come down: take its processes down by their pids
+        elif count >= 3:  # the runtime does not come down: take its processes down by their pids
             self.stop_processes()
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.signal(s, self.handler)
-            self._previous.setdefault(s, previous)
-
-    def restore(self) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._previous.clear()
 
 
 class LogRecords(logging.Handler):
@@ -180,7 +163,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     from flwr.simulation import run_simulation
 
     from fedlt.flower.client_app import app as client_app
-    from fedlt.flower.server_app import FlowerRounds
+    from fedlt.flower.server_app import FlowerRunner
 
     outcomes: list[dict[str, Any]] = []
     failure: list[BaseException] = []
@@ -196,11 +179,11 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
             signals.in_loop = True
             try:
                 for job in jobs:
-                    rounds = FlowerRounds(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
+                    runner = FlowerRunner(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
                     summary = loop.run(job.config, resume=job.resume, on_round=job.on_round,
-                                         on_start=job.on_start, runner=rounds,
-                                         stop_requested=lambda: signals.first)
-                    outcomes.append({"summary": summary, "exchanges": rounds.exchanges})
+                                       on_start=job.on_start, runner=runner,
+                                       stop_requested=lambda: signals.first)
+                    outcomes.append({"summary": summary, "exchanges": runner.exchanges})
             except BaseException as exc:  # re-raised in the caller's thread, not printed by Flower's
                 failure.append(exc)
             finally:

@@ -188,6 +188,15 @@ def client_data(prep: Prepared, cid: int, device: torch.device, source: tuple[An
     return ClientData(cid, images(x).subset(idx).to(device), y[idx].to(device), prep.counts[cid].to(device))
 
 
+def with_held(prep: Prepared, task: Any, data: ClientData) -> Any:
+    """A task that crossed without what its client holds (fedlt.algorithms.protocol.travelling),
+    given it back where the client's data lives (a worker process, a Flower node): its training
+    ``data`` and, for a task with a ``test`` field (a per-client evaluation), its test set."""
+    names = {f.name for f in dataclasses.fields(task)}
+    held = {"data": data} | ({"test": client_test_data(prep, task.cid, data.y.device)} if "test" in names else {})
+    return dataclasses.replace(task, **held)
+
+
 def client_test_data(prep: Prepared, cid: int, device: torch.device,
                      source: tuple[Any, torch.Tensor] | None = None) -> ClientData:
     """Client ``cid``'s test set (``client_test``) on ``device``, in the test set's evaluation form;

@@ -29,6 +29,7 @@ from fedlt.config import RunConfig
 from fedlt.engine import RunStopped, run
 from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
+from fedlt.run.signals import TwoSignalStop
 from fedlt.sweep import track
 from fedlt.sweep.net import reachable
 
@@ -127,12 +128,9 @@ class Outcome:
 
 Event = Callable[[str, str, "Outcome | None"], None]
 
-# a stop asked of a worker before the run's own handler is installed (fedlt.run.signals.stop_on_signal)
-_STOP: dict[str, int | None] = {"signal": None}
-
-
-def _remember_stop(signum: int, frame: Any) -> None:
-    _STOP["signal"] = signum
+# a stop asked of a worker before (or between) its run's own handlers (fedlt.run.signals.stop_on_signal):
+# remembered, and a run about to start stops at once; a later signal changes nothing
+_STOP = TwoSignalStop(on_again=lambda signum, count: None)
 
 
 def run_job(job: Job) -> Outcome:
@@ -160,8 +158,8 @@ def run_job(job: Job) -> Outcome:
         trackers = {spec["name"]: track.create(spec) for spec in job.tracking}
 
         def on_start(done: int) -> None:
-            if _STOP["signal"] is not None:  # asked to stop while the run was being prepared
-                raise RunStopped(_STOP["signal"], done, Path(config.out))
+            if _STOP.first is not None:  # asked to stop while the run was being prepared
+                raise RunStopped(_STOP.first, done, Path(config.out))
             tracked("start", job.id, job.config, done)
 
         def on_round(done: int, row: dict[str, Any]) -> None:
@@ -201,8 +199,7 @@ def _worker_init() -> None:
         pass
     if os.getppid() == 1:  # the coordinator died before prctl took effect
         os._exit(1)
-    signal.signal(signal.SIGTERM, _remember_stop)
-    signal.signal(signal.SIGINT, _remember_stop)
+    _STOP.install()
 
 
 @EXECUTORS.register("local")

@@ -10,10 +10,7 @@ once. A failed run is recorded with its one-line error and the others go on.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlt import rundir
-from fedlt.errors import FedltError
+from fedlt.run.signals import TwoSignalStop
 from fedlt.sweep import executors, track
 from fedlt.sweep.executors import Job, Outcome
 from fedlt.sweep.study import Study, clear_partial, expand, plan, status_on_disk, write_manifest
@@ -44,44 +41,14 @@ class SweepResult:
 
 
 @contextmanager
-def _relay_signals(stop: Callable[[int], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, lambda signum, frame: stop(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-@contextmanager
 def claim_study(out: Path) -> Iterator[list[Path]]:
-    """Hold ``out`` for one sweep: created if needed, then an exclusive lock on ``out/.fedlt.lock``
-    holding our PID (``rundir``: atomic, and a killed holder never blocks, the kernel drops its
-    lock); a second sweep into it is refused naming the first. On exit the lock file goes, and a
-    directory this call created and left empty (a refusal) is removed. Yields the directories it
-    created, deepest first."""
+    """Hold ``out`` for one sweep (fedlt.rundir.hold: created if needed, locked with our PID; a
+    second sweep into it is refused naming the first; a directory this call created and left
+    empty is removed on exit). Yields the directories it created, deepest first."""
     rundir.check_directory(out, "study directory")
-    created = rundir._created_dirs(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FedltError(f"study directory {out}: cannot create it ({rundir.reason(exc)})") from None
-    fd = None
-    try:
-        fd = rundir._lock(out, "one fedlt sweep per study directory; wait for it to end, or use another --out")
+    with rundir.hold(out, "study directory", "one fedlt sweep per study directory; wait for it to end, "
+                     "or use another --out") as created:
         yield created
-    finally:
-        if fd is not None:
-            (out / rundir.LOCK_NAME).unlink(missing_ok=True)  # still held: nobody took it meanwhile
-            os.close(fd)
-        for folder in created:  # only what this call made, and only if nothing was written in it
-            try:
-                folder.rmdir()
-            except OSError:
-                break
 
 
 def jobs_of(study: Study, out: Path, manifest: dict[str, Any], threads: int | None,
@@ -168,8 +135,8 @@ def _sweep_claimed(study: Study, out: Path, engine: Any, extend: bool, threads: 
         result.stop_signal = signum
         engine.stop()
 
-    if jobs:
-        with _relay_signals(stop):
+    if jobs:  # every signal is relayed: the first stops the runs after their round, a second at once
+        with TwoSignalStop(on_first=stop, on_again=lambda signum, count: stop(signum)):
             engine.run(jobs, handle, out)
     for run in runs.values():  # a run the executor never started (stopped first) stays pending
         if run["status"] == "running":

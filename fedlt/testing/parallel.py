@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import fedlt.algorithms
 from fedlt import io
+from fedlt.algorithms.protocol import LocalRunner
+from fedlt.config import RunConfig
+from fedlt.engine import run
+from fedlt.parallel import ParallelRunner, WorkerPool
 from fedlt.testing.algorithms import TINY, split_model_for
 from fedlt.testing.base import Contract
 from fedlt.testing.engines import _label, differences, with_personal
@@ -34,8 +39,6 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def _run_keeping_checkpoints(config: Any, runner: Any, keep: Path) -> None:
     """Run ``config``, copying its checkpoint after every round to ``keep/<round>.pt``."""
-    from fedlt.engine import run
-
     keep.mkdir(parents=True)
 
     def copy(done: int, row: dict[str, Any]) -> None:
@@ -52,11 +55,6 @@ def check_parallel(cases: Sequence[Any], *, workers: int = 2, pool: Any = None, 
     to use (else one is started and stopped here). ``settings`` (for all cases, then a case's
     own) override :data:`fedlt.testing.algorithms.TINY`. Raises ContractError naming the
     algorithm, the property and the first differences."""
-    import fedlt.algorithms
-    from fedlt.algorithms.protocol import LocalRunner
-    from fedlt.config import RunConfig
-    from fedlt.parallel import ParallelRunner, WorkerPool
-
     normalised = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
                   for c in cases]
     own_pool = pool is None
