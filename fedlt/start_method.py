@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 # imported once by the fork server, so that a process forked from it starts with them loaded
@@ -69,4 +70,40 @@ def alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether the process has exited but is not reaped yet: a killed worker orphaned by its fork
+    server is reaped by whoever adopted it (PID 1 in a container may take its time)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no procfs (macOS): what kill(pid, 0) said stands
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("Z", "X")
+
+
+def quiet_resource_sharer() -> None:
+    """No traceback from the stdlib's fd-sharing thread when a worker dies while taking a shared
+    tensor's file descriptor (multiprocessing.resource_sharer hands its ConnectionResetError to
+    ``sys.excepthook``): the pool names the lost worker itself, in one line. Every other
+    exception reaches the previous hook unchanged. Installed once, in the main process."""
+    if getattr(sys.excepthook, "fedlt_quiet", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and _raised_in_resource_sharer(tb):
+            return
+        previous(kind, value, tb)
+
+    hook.fedlt_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _raised_in_resource_sharer(tb: Any) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")):
+            return True
+        tb = tb.tb_next
+    return False

@@ -25,7 +25,7 @@ from fedlt.datasets.source import images
 from fedlt.errors import FedltError, ProcessLost, first_line
 from fedlt.parallel.messages import Packed, tolerated_failure
 from fedlt.parallel.worker import worker_main
-from fedlt.start_method import alive, exit_words, main_not_rerun, process_context
+from fedlt.start_method import alive, exit_words, main_not_rerun, process_context, quiet_resource_sharer
 
 STARTUP_WAIT_S = 600.0  # a worker's start and its build of the run's parts (imports, dataset, model)
 REPLY_WAIT_S = 3600.0  # one message's work (a round's local training at most); then the worker is replaced
@@ -87,6 +87,7 @@ class WorkerPool:
             raise FedltError(f"workers must be at least 1, got {workers}")
         self.size, self.startup_wait, self.reply_wait = workers, startup_wait, reply_wait
         self.ctx = process_context()
+        quiet_resource_sharer()  # a worker lost while taking the shared data: named by the pool, no traceback
         self.binding: tuple | None = None
         self.replaced = 0  # workers replaced after a death or a timeout (tests and benchmarks read it)
         self.procs = [_Process(self.ctx, i) for i in range(workers)]
