@@ -19,6 +19,29 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "explore"))
 
+# Under pytest-xdist (``-n 2``, the README's command) each worker is one test process on a 2-core
+# machine: one torch thread each, or the workers' threads wait on each other (see one_thread).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker (--dist loadgroup)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup``: a test using a module-scoped fixture of its own module runs on
+    the worker that runs the rest of that module (the fixture is built once, not once per
+    worker); a test marked ``xdist_group`` keeps its group ("ray": the tests that start Ray or a
+    Flower simulation, one at a time; "loopback": the Flower deployments of tests/loopback.py)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        module = item.nodeid.split("::", 1)[0]
+        if any(d[-1].scope == "module" and d[-1].baseid == module for d in defs.values() if d):
+            item.add_marker(pytest.mark.xdist_group(module))
+
 
 @pytest.fixture(scope="module")
 def one_thread():

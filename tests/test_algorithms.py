@@ -19,6 +19,8 @@ from fedlt.config import RunConfig
 from fedlt.engine import run
 from fedlt.models.alexnet import MLP
 
+import cheap
+
 C = 10
 STATES: dict[int, ClientStates] = {}  # id(algorithm) -> the engine's client-state store
 CONTEXTS: dict[int, RunContext] = {}  # id(algorithm) -> its run context
@@ -152,7 +154,8 @@ def test_iteration_schedule_draws_without_replacement_then_reshuffles():
 
 @pytest.mark.parametrize("name", fedlt.algorithms.list())
 def test_every_registered_algorithm_runs_two_rounds_on_mnist(name, tmp_path):
-    config = RunConfig(algorithm=name, rounds=2, eval_every=1, clients=6, participation=0.5, train_limit=1200, test_limit=300,
+    config = RunConfig(algorithm=name, algorithm_params=cheap.params(name),  # tests/cheap.py
+                       rounds=2, eval_every=1, clients=6, participation=0.5, train_limit=1200, test_limit=300,
                        local_iters=2, server_batch=64, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5},
                        out=tmp_path / name)
     summary = run(config)

@@ -21,12 +21,15 @@ from fedlt.engine import prepare, run, train_round
 from fedlt.losses.adjust import CE
 from fedlt.testing.engines import differences
 
+import cheap
+
 pytest.importorskip("flwr")
 from fedlt.testing import check_engines  # noqa: E402
 
 DROPOUT = {"model": "tiny_cnn(width=4, dropout=0.5)"}  # the example plugin's model, dropout before the classifier
 
 
+@pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
 def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_dropped_clients(one_thread):
     """Local and Flower simulation: same global weights, server state and client states after 2
     rounds in which one sampled client drops out each round (a split-learning client leaves
@@ -36,10 +39,11 @@ def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_droppe
     run does. Kept cheap: 4 clients (2 sampled a round), 300 samples, the MLP."""
     installed = fedlt.algorithms.list()
     assert {"example_fedcm", "example_feddc"} <= set(installed)  # the plugin's algorithms are among them
-    check_engines([*installed, ("scala", {"server": {"name": "grouped", "size": 2}})], drops=True, resume=True,
-                  clients=4, train_limit=300)
+    check_engines([*cheap.cases(installed), ("scala", {"server": {"name": "grouped", "size": 2}})],  # tests/cheap.py
+                  drops=True, resume=True, clients=4, train_limit=300)
 
 
+@pytest.mark.xdist_group("ray")
 def test_stateful_parts_and_random_draws_give_one_answer_on_every_engine(one_thread):
     """Without drops: a stateful aggregator (a built-in's, a plugin's), a stateful loss evaluated
     on SCALA's server, a plugin's split server side, torch's generator drawn in client work."""

@@ -17,6 +17,8 @@ from fedlt.engine import run
 pytest.importorskip("flwr")
 from fedlt.flower.simulation import Job, simulate  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
+
 COMMON = dict(clients=3, participation=1.0, rounds=2, train_limit=600, test_limit=200, server_batch=48,
               local_iters=2, eval_every=1, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 CASES = {

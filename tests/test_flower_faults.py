@@ -20,9 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,12 +29,10 @@ pytest.importorskip("flwr")
 from fedlt import io  # noqa: E402
 from fedlt.config import RunConfig  # noqa: E402
 from fedlt.engine import run  # noqa: E402
-from fedlt.flower.deploy import connection_toml, write_app  # noqa: E402
 from fedlt.testing.engines import differences  # noqa: E402
+from loopback import BOOT_S, Deployment, signal_tree, wait_for  # noqa: E402  (tests/loopback.py)
 
-BIN = Path(sys.executable).parent
 ROUND_TIMEOUT = 45.0  # a live node answers well within it on a loaded 2-core machine (each task is a process start)
-BOOT_S = 180.0  # bound on any wait for processes to start (imports under load)
 NODES = 2
 SCENARIO = {"clients": NODES, "participation": 1.0, "rounds": 3, "train_limit": 300, "test_limit": 100,
             "server_batch": 32, "local_iters": 1, "eval_every": 3, "checkpoint_every": 1,
@@ -46,140 +41,12 @@ SCENARIO = {"clients": NODES, "participation": 1.0, "rounds": 3, "train_limit": 
 MODELS = {"fedavg": {"model": "mlp"}, "scala": {"model": "alexnet", "split": "s2"}}
 TASKS_PER_ROUND = {"fedavg": 1, "scala": 2}  # messages a node takes in per round (SCALA: T + 1 exchanges, T = 1)
 SAME_DROPS = {"name": "scripted", "drops": [[1, 1], [2, 0]]}  # what the faults below do, as an availability
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_for(what: str, ready, limit: float, log: Path | None = None):
-    """Poll ``ready()`` until it is truthy, at most ``limit`` seconds; else fail saying what."""
-    deadline = time.monotonic() + limit
-    while not (value := ready()):
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-3000:] if log and log.exists() else ""
-            pytest.fail(f"no {what} within {limit:.0f} s\n{tail}")
-        time.sleep(0.2)
-    return value
-
-
-class Deployment:
-    """A SuperLink and SuperNodes on loopback, started and stopped by pid (with every process
-    below them), each writing its log in the test's directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        home = root / "home"
-        home.mkdir()
-        self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_HOME": str(home),
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
-        self.port = free_port()
-        (home / "config.toml").write_text(connection_toml("loopback", f"127.0.0.1:{self.port}"))
-        self.app = write_app(root / "app")
-        self.started: list[subprocess.Popen] = []
-        self.link: subprocess.Popen | None = None
-        self.nodes: dict[int, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-
-    def _start(self, name: str, *argv: str) -> subprocess.Popen:
-        log = self.root / f"{name}.log"
-        with open(log, "a") as out:
-            proc = subprocess.Popen([str(BIN / argv[0]), *argv[1:]], env=self.env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.started.append(proc)
-        self.logs[name] = log
-        return proc
-
-    def start_link(self) -> None:
-        self.link = self._start("superlink", "flower-superlink", "--insecure",
-                                "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
-                                "--port", str(self.port))
-        wait_for("SuperLink listening", lambda: listening(self.port), BOOT_S, self.logs["superlink"])
-
-    def start_node(self, partition: int) -> None:
-        self.nodes[partition] = self._start(
-            f"supernode{partition}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-            "--node-config", f"partition-id={partition} num-partitions={NODES}",
-            "--host", "127.0.0.1", "--port", str(free_port()))
-
-    def signal_node(self, partition: int, sig: signal.Signals) -> None:
-        """Signal the node's whole process tree (SuperNode, its SuperExec, a ClientApp under way):
-        the machine dies (SIGKILL) or freezes (SIGSTOP)."""
-        signal_tree(self.nodes[partition].pid, sig)
-        if sig == signal.SIGKILL:
-            self.nodes[partition].wait(timeout=30)
-
-    def kill_link(self) -> None:
-        """SIGKILL the SuperLink machine: SuperLink, its SuperExec, the ServerApps; its port is
-        free once the SuperLink is reaped."""
-        signal_tree(self.link.pid, signal.SIGKILL)
-        self.link.wait(timeout=30)
-
-    def tasks_received(self, partition: int) -> int:
-        """Task messages the node has taken in (its log), whatever its process since a restart."""
-        log = self.logs.get(f"supernode{partition}")
-        return log.read_text().count("Receiving: train") if log and log.exists() else 0
-
-    def flwr_run(self, name: str, config: Path, resume: bool = False) -> subprocess.Popen:
-        settings = f'config="{config}" node-wait=120' + (" resume=true" if resume else "")
-        return self._start(name, "flwr", "run", str(self.app), "loopback", "--stream", "--run-config", settings)
-
-    def server_app_pids(self) -> list[int]:
-        """The ``flwr-serverapp`` processes holding the runs: in Flower 1.41 the SuperLink starts a
-        ``flower-superexec`` (its own process group) that starts one ``flwr-serverapp`` per run."""
-        return [pid for pid, command in descendants(self.link.pid) if "flwr-serverapp" in command]
-
-    def stop(self) -> None:
-        """SIGKILL every process this deployment started and all their descendants (Flower's
-        SuperExec puts its children in process groups of their own), by pid."""
-        for proc in self.started:
-            if proc.poll() is None:
-                signal_tree(proc.pid, signal.SIGKILL)
-        for proc in self.started:
-            proc.wait(timeout=30)
-
-
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below ``pid``, read from /proc."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append((child, commands[child]))
-            todo.append(child)
-    return found
-
-
-def signal_tree(pid: int, sig: signal.Signals) -> None:
-    """``sig`` to ``pid`` and every process below it (listed first: a dead parent's children
-    would be reparented out of reach)."""
-    for target in [pid, *(child for child, _ in descendants(pid))]:
-        try:
-            os.kill(target, sig)
-        except ProcessLookupError:
-            pass
+pytestmark = pytest.mark.xdist_group("loopback")  # one deployment at a time (tests/conftest.py)
 
 
 @pytest.fixture
 def deployment(tmp_path):
-    deployment = Deployment(tmp_path)
+    deployment = Deployment(tmp_path, nodes=NODES)
     try:
         yield deployment
     finally:

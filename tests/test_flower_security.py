@@ -1,10 +1,14 @@
-"""Deployment security on loopback (docs/flower.md, "Deployment: SuperLink and SuperNodes"): a
-SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode
+"""A real deployment on loopback, secured (docs/flower.md, "Deployment: SuperLink and SuperNodes"):
+a SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode
 authentication (Flower's node keys, registered with ``flwr supernode register``). A SuperNode
 whose key was never registered is refused, one that trusts another CA cannot connect, one
-without TLS cannot either; the two registered nodes complete a FedAvg and a SCALA run through
-``flwr run`` that end where the local engine ends. Every process is started on 127.0.0.1 in a
-process group of its own and stopped by it; every wait is bounded."""
+without TLS cannot either; the two registered nodes complete one round of FedAvg and one of
+SCALA through ``flwr run`` — the run directory complete, the metrics row sane — that end where
+the local engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in
+bounded time. The insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and
+``flwr run``) is started by tests/test_flower_faults.py, whose SCALA run loses nodes and its
+SuperLink. Every process is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with
+everything below it; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -12,10 +16,7 @@ import datetime
 import ipaddress
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,12 +33,13 @@ from fedlt.config import RunConfig  # noqa: E402
 from fedlt.engine import run  # noqa: E402
 from fedlt.flower.deploy import connection_toml, write_app  # noqa: E402
 from fedlt.testing.engines import differences  # noqa: E402
+from loopback import BIN, Deployment, free_port  # noqa: E402  (tests/loopback.py)
 
-BIN = Path(sys.executable).parent
 ROUND = {"clients": 2, "participation": 1.0, "rounds": 1, "train_limit": 200, "test_limit": 50, "server_batch": 16,
          "local_iters": 1, "eval_every": 1, "partition": {"name": "dirichlet", "beta": 0.5, "min_size": 5}}
 CASES = {"fedavg": {"model": "mlp"}, "scala": {"model": "alexnet", "split": "s2"}}
 NODES = ("node0", "node1")
+pytestmark = pytest.mark.xdist_group("loopback")  # one deployment at a time (tests/conftest.py)
 
 
 # -- certificates and node keys, made here --------------------------------------------------------------
@@ -79,48 +81,6 @@ def make_credentials(where: Path) -> None:
                                                                           serialization.PublicFormat.OpenSSH))
 
 
-# -- processes --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-class Processes:
-    """Flower's commands started in process groups of their own, logs in ``root``; ``stop``
-    ends exactly these groups (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, root: Path, env: dict[str, str]) -> None:
-        self.root, self.env, self.started = root, env, []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "w")
-        proc = subprocess.Popen([str(BIN / args[0]), *args[1:]], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.started.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.root / f"{name}.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.started:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     """A TLS SuperLink with SuperNode authentication, the two node keys registered, a SuperNode
@@ -129,33 +89,19 @@ def secure(tmp_path_factory):
     keys = root / "keys"
     keys.mkdir()
     make_credentials(keys)
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_HOME": str(root / "home"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
-    (root / "home").mkdir()
-    link = free_port()
-    (root / "home" / "config.toml").write_text(connection_toml("lab", f"127.0.0.1:{link}", str(keys / "ca.crt")))
-    procs = Processes(root, env)
+    deployment = Deployment(root, nodes=len(NODES), keys=keys, federation="lab")
     try:
-        procs.start("superlink", "flower-superlink", "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
-                    "--port", str(link), "--ssl-ca-certfile", str(keys / "ca.crt"), "--ssl-certfile",
-                    str(keys / "server.pem"), "--ssl-keyfile", str(keys / "server.key"), "--enable-supernode-auth")
-        deadline = time.monotonic() + 120
-        while not listening(link):
-            assert time.monotonic() < deadline, procs.log("superlink")[-2000:]
-            time.sleep(0.5)
-        registrations = [procs.start(f"register-{node}", "flwr", "supernode", "register", str(keys / f"{node}.pub"),
-                                     "lab", "--format", "json") for node in NODES]
+        deployment.start_link()
+        registrations = [deployment.start(f"register-{node}", "flwr", "supernode", "register",
+                                          str(keys / f"{node}.pub"), "lab", "--format", "json") for node in NODES]
         for node, proc in zip(NODES, registrations):
-            assert proc.wait(timeout=120) == 0, procs.log(f"register-{node}")[-2000:]
-            assert json.loads(procs.log(f"register-{node}"))["success"] is True
-        for k, node in enumerate(NODES):
-            procs.start(node, "flower-supernode", "--superlink", f"127.0.0.1:{link}", "--root-certificates",
-                        str(keys / "ca.crt"), "--auth-supernode-private-key", str(keys / node),
-                        "--node-config", f"partition-id={k} num-partitions=2", "--host", "127.0.0.1",
-                        "--port", str(free_port()))
-        yield root, link, procs
+            assert proc.wait(timeout=120) == 0, deployment.log(f"register-{node}")[-2000:]
+            assert json.loads(deployment.log(f"register-{node}"))["success"] is True
+        for k in range(len(NODES)):
+            deployment.start_node(k)
+        yield deployment
     finally:
-        procs.stop()
+        deployment.stop()
 
 
 # What a SuperNode that must not get in is started with, and the words its refusal is logged with.
@@ -169,32 +115,30 @@ INTRUDERS = {
 
 
 def test_a_node_with_an_unknown_key_the_wrong_ca_or_no_tls_is_refused(secure):
-    root, link, procs = secure
     started = {}
     for case, (args, _) in INTRUDERS.items():  # all at once: each waits out Flower's bounded retries
-        args = [str(root / "keys" / a) if (root / "keys" / a).is_file() else a for a in args]
-        started[case] = procs.start(f"intruder-{case.replace(' ', '-')}", "flower-supernode", "--superlink",
-                                    f"127.0.0.1:{link}", *args, "--node-config", "partition-id=0 num-partitions=2",
-                                    "--host", "127.0.0.1", "--port", str(free_port()), "--max-retries", "1",
-                                    "--max-wait-time", "20")
+        args = [str(secure.keys / a) if (secure.keys / a).is_file() else a for a in args]
+        started[case] = secure.start_node(0, *args, "--max-retries", "1", "--max-wait-time", "20",
+                                          name=f"intruder-{case.replace(' ', '-')}")
     for case, proc in started.items():
         code = proc.wait(timeout=120)
-        log = procs.log(f"intruder-{case.replace(' ', '-')}")
+        log = secure.log(f"intruder-{case.replace(' ', '-')}")
         assert code != 0 and INTRUDERS[case][1] in log, f"{case}: exit {code}\n{log[-2000:]}"
-    assert "No SuperNode found with the given public key" in procs.log("superlink")
+    assert "No SuperNode found with the given public key" in secure.log("superlink")
 
 
 def test_an_authenticated_tls_federation_ends_where_the_local_engine_ends(secure):
-    root, _, procs = secure
-    app = write_app(root / "app")
+    root = secure.root
     for algorithm, settings in CASES.items():
         config = {**ROUND, **settings, "algorithm": algorithm}
         deployed = root / f"deployed-{algorithm}"
         (root / f"{algorithm}.json").write_text(json.dumps({**config, "out": str(deployed)}))
-        proc = subprocess.run([str(BIN / "flwr"), "run", str(app), "lab", "--stream", "--run-config",
-                               f'config="{root / f"{algorithm}.json"}" node-wait=120'],
-                              env=procs.env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = secure.flwr_run(f"run-{algorithm}", root / f"{algorithm}.json")
+        assert proc.wait(timeout=600) == 0, secure.log(f"run-{algorithm}")[-3000:]
+        assert sorted(p.name for p in deployed.iterdir()) == ["checkpoint.json", "checkpoint.pt", "config.json",
+                                                              "metrics.jsonl", "partition.json", "partition.npz",
+                                                              "summary.json"]
+        assert json.loads((deployed / "summary.json").read_text())["rounds"] == 1
         local = RunConfig(**config, out=root / f"local-{algorithm}")
         run(local)
         ends = [io.load_checkpoint(d / "checkpoint.pt") for d in (Path(local.out), deployed)]
@@ -202,4 +146,17 @@ def test_an_authenticated_tls_federation_ends_where_the_local_engine_ends(secure
             found = differences(ends[0][part], ends[1][part], 1e-6)  # the engine contract's tolerance
             assert not found, f"{algorithm}: {part} differs between local and the deployment: {found[:3]}"
         rows = [json.loads(line) for line in (deployed / "metrics.jsonl").read_text().splitlines()]
-        assert rows[-1]["participants"] == 2 and rows[-1]["round"] == 1
+        assert [r["round"] for r in rows] == [1] and rows[0]["participants"] == 2
+        assert 0.0 <= rows[0]["accuracy"] <= 1.0 and rows[0]["train_loss"] > 0
+
+
+def test_an_unreachable_superlink_is_a_clear_error_in_bounded_time(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(connection_toml("nowhere", f"127.0.0.1:{free_port()}"))  # nothing listens
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_HOME": str(home)}
+    started = time.monotonic()
+    proc = subprocess.run([str(BIN / "flwr"), "run", str(write_app(tmp_path / "app")), "nowhere"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "SuperLink is unavailable" in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 120

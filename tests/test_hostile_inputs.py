@@ -778,6 +778,7 @@ def gone(processes: dict[int, int], seconds: float = 30) -> dict[int, int]:
     return alive(processes)
 
 
+@pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
 def test_signals_on_the_flower_engine_behave_as_on_the_local_engine_and_leave_no_ray_process(tmp_path, capfd):
     """First, in a process of its own, a run SIGKILLed once it has a checkpoint: nothing of its
     code runs, and its watchdog stops Ray's processes. Then in this process one run, signalled

@@ -29,6 +29,7 @@ from fedlt.testing import check_parallel
 from fedlt.testing.algorithms import TINY
 from fedlt.testing.engines import differences
 
+import cheap
 from conftest import without_timings
 
 DROPOUT = {"model": "tiny_cnn(width=4, dropout=0.5)"}  # the example plugin's model: torch's generator in client work
@@ -51,7 +52,7 @@ def test_every_registered_algorithm_is_bit_identical_with_two_workers(pool):
     """The contract over every registered algorithm (built-ins and the example plugin's), a
     stateful loss kept per client and models drawing from torch's generator in client work; each
     round's checkpoint compared, the overlapped evaluation's snapshot included."""
-    cases = [*fedlt.algorithms.list(), ("scala", {"client_loss": "fedgrab"}),
+    cases = [*cheap.cases(fedlt.algorithms.list()), ("scala", {"client_loss": "fedgrab"}),  # tests/cheap.py
              ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT)]
     assert "example_fedcm" in cases and "scala" in cases
     check_parallel(cases, pool=pool)

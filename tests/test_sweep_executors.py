@@ -46,6 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
 @pytest.mark.usefixtures("worker_path")
 def test_the_ray_executor_runs_a_study_on_a_ray_head_started_on_loopback(tmp_path, monkeypatch):
     """A head node of its own (``ray start --head --block`` on 127.0.0.1, in its own process group
