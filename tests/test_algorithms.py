@@ -136,9 +136,11 @@ def test_client_update_gives_the_same_result_in_a_fresh_process(mnist_clients, t
     here = client_update(task)  # no work module: built from the task's ModelSpec, as on another node
     (tmp_path / "task.pkl").write_bytes(pickle.dumps(task))
     script = ("import pickle, sys, torch; from fedlt.algorithms.fedavg_family import client_update; "
+              "torch.set_num_threads(int(sys.argv[3])); "  # as here: float reductions split by thread
               "task = pickle.load(open(sys.argv[1], 'rb')); r = client_update(task); "
               "torch.save({'weights': r.weights, 'state': r.state, 'loss': r.train_loss}, sys.argv[2])")
-    subprocess.run([sys.executable, "-c", script, tmp_path / "task.pkl", tmp_path / "out.pt"], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", script, tmp_path / "task.pkl", tmp_path / "out.pt", str(torch.get_num_threads())],
+                   check=True, timeout=120)
     there = torch.load(tmp_path / "out.pt", weights_only=True)
     assert not differs(here.weights, there["weights"]) and here.train_loss == there["loss"]
     assert not differs(_tensors(_flat(here.state)), _tensors(_flat(there["state"])))

@@ -211,7 +211,7 @@ def test_the_flower_client_app_slices_its_partition_from_the_files(tree):
     data = fedlt.datasets.load("imagefolder(image_size=16)", root=root)
     idx = [5, 0, 17, 3]
     prep = types.SimpleNamespace(config=types.SimpleNamespace(device="cpu"), data=data,
-                                 partition=types.SimpleNamespace(client_indices={2: np.array(idx)}),
+                                 train_indices={2: np.array(idx)},  # what the client trains on (its partition's part)
                                  counts=torch.zeros(3, 3, dtype=torch.int64))
     client = client_data(prep, 2, types.SimpleNamespace(node_config={"partition-id": 2}))
     assert isinstance(client.x, FileImages) and len(client) == 4

@@ -157,7 +157,10 @@ class BalancedSoftmax(LossTerm):
 
     def _check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         check_batch(self.name, logits, targets, self.num_classes)
-        if self.absent_rule == "exclude" and bool(self.absent.like(logits).index_select(0, targets).any()):
+        # on the host only (as FedLC's check): on a device this read would stall every step; there the
+        # target's −inf offset makes the loss non-finite, which the step loop's one check per client names
+        if (self.absent_rule == "exclude" and logits.device.type == "cpu"
+                and bool(self.absent.like(logits).index_select(0, targets).any())):
             raise fail(self.name, "a target's class has class_counts 0; class_counts must be the "
                                   "client's counts over its whole local set")
 
