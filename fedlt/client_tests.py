@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from fedlt.errors import FedltError
 from fedlt.partitioners.base import Partition, as_labels, class_counts_of, indices_sha256
 from fedlt.registry import Registry
-from fedlt.spec import numbers_are_numbers
+from fedlt.spec import SpecModel
 
 MATCHED_LARGEST = 500  # SPEC §7: the largest client's default matched test-set size is min(|D_k|, 500)
 
@@ -83,19 +83,10 @@ def _manifest(scheme: "ClientTest", source: str, test: list[np.ndarray], counts:
     return out
 
 
-class ClientTest(BaseModel):
+class ClientTest(SpecModel):
     """A client test-set scheme; its parameters are the model's fields, validated at construction."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "client_test"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: Any) -> Any:
-        return numbers_are_numbers(cls, data)
-
-    def params(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
     def describe(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.params().items())})"

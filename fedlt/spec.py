@@ -23,7 +23,9 @@ from __future__ import annotations
 import ast
 import re
 import typing
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from fedlt.errors import FedltError
 
@@ -231,3 +233,20 @@ def overlay(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         nested = isinstance(value, dict) and isinstance(old, dict)
         out[key] = overlay(old, value) if nested else value
     return out
+
+
+class SpecModel(BaseModel):
+    """The base of a component built from a spec (``name(key=value, ...)``): its parameters are the
+    model's fields, validated at construction (unknown keys refused, a number given as a string
+    refused: :func:`numbers_are_numbers`), frozen; ``params()`` gives them back as JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: ClassVar[str] = "component"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data)
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -42,7 +42,7 @@ from fedlt.algorithms.protocol import CLIENT_CALLS, ClientTask
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import eval_mode
-from fedlt.spec import numbers_are_numbers
+from fedlt.spec import SpecModel
 
 State = dict[str, torch.Tensor]
 EvalMode = Literal["global_local", "personal", "finetune"]
@@ -128,20 +128,11 @@ def finetune(model: nn.Module, task: EvalTask, update: ClientUpdate | None = Non
 
 
 # -- the modes, as a run configures them (``client_eval``) ----------------------------------------
-class EvalModeSpec(BaseModel):
+class EvalModeSpec(SpecModel):
     """A per-client evaluation mode; its parameters are the model's fields, validated at the config
     boundary. ``name``: the mode's name in an EvalTask (the prefix of its row fields)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "mode"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: Any) -> Any:
-        return numbers_are_numbers(cls, data)
-
-    def params(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
 
 class GlobalLocal(EvalModeSpec):
