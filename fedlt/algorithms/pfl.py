@@ -42,7 +42,7 @@ from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, 
 from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
-from fedlt.algorithms.stateful import features_of
+from fedlt.algorithms.stateful import add_to_grad, features_of
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import classifier
@@ -393,13 +393,6 @@ class FedRoD(Personalised):
 
 
 # -- Ditto ------------------------------------------------------------------------------------------
-def _add_to_grad(p: nn.Parameter, delta: torch.Tensor) -> None:
-    if p.grad is None:  # a parameter the loss did not reach still moves by the proximal term
-        p.grad = delta.clone()
-    else:
-        p.grad.add_(delta)
-
-
 @dataclass(frozen=True)
 class ProximalUpdate(ClientUpdate):
     """The local loop with λ(v − w) added to each gradient — the gradient of (λ/2)‖v − w‖², w the
@@ -413,7 +406,7 @@ class ProximalUpdate(ClientUpdate):
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         for p, w in zip(params, local):
-            _add_to_grad(p, self.lam * (p.detach() - w))
+            add_to_grad(p, self.lam * (p.detach() - w))
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -48,7 +48,8 @@ def _zeros(weights: State, names: Sequence[str]) -> State:
     return {n: torch.zeros_like(weights[n]) for n in names}
 
 
-def _add_to_grad(p: nn.Parameter, delta: torch.Tensor) -> None:
+def add_to_grad(p: nn.Parameter, delta: torch.Tensor) -> None:
+    """``p.grad += delta`` (a correction or proximal term added to the loss's gradient)."""
     if p.grad is None:  # a parameter the loss did not reach still moves by the correction
         p.grad = delta.clone()
     else:
@@ -88,7 +89,7 @@ class ScaffoldUpdate(ClientUpdate):
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         for p, delta in zip(params, local[3]):
-            _add_to_grad(p, delta)
+            add_to_grad(p, delta)
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -153,7 +154,7 @@ class FedDynUpdate(ClientUpdate):
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         for p, anchor, g in zip(params, local[1], local[2]):
-            _add_to_grad(p, self.alpha * (p.detach() - anchor) - g)
+            add_to_grad(p, self.alpha * (p.detach() - anchor) - g)
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
