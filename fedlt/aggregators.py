@@ -18,11 +18,11 @@ from collections.abc import Collection, Sequence
 from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr
 
 from fedlt.errors import FedltError
 from fedlt.registry import Registry
-from fedlt.spec import numbers_are_numbers
+from fedlt.spec import SpecModel
 
 State = dict[str, torch.Tensor]
 
@@ -67,7 +67,7 @@ Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 Tau = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-class Aggregator(BaseModel):
+class Aggregator(SpecModel):
     """The new global state from the current one and the clients' ``(state, |D_k|)`` pairs.
 
     Subclasses set ``name`` and implement ``__call__``; a stateful one keeps its state in private
@@ -75,13 +75,7 @@ class Aggregator(BaseModel):
     checkpoint loads with ``torch.load(..., weights_only=True)``).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "aggregator"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: Any) -> Any:
-        return numbers_are_numbers(cls, data)
 
     def __call__(self, global_state: State, results: Sequence[tuple[State, float]],
                  trainable: Collection[str]) -> State:

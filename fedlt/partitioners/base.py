@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, model_validator
 
 from fedlt.errors import FedltError, first_line
-from fedlt.spec import numbers_are_numbers
+from fedlt.spec import SpecModel
 
 FORMAT = "fedlt-partition-1"
 _FILE_KEYS = {"manifest", "indices", "offsets"}
@@ -328,7 +327,7 @@ def _check_manifest_fields(manifest: dict[str, Any], bad) -> None:
 
 
 # -- the partitioner ------------------------------------------------------------------------------
-class Partitioner(BaseModel):
+class Partitioner(SpecModel):
     """A partition scheme: its parameters are the model's fields, validated at construction.
 
     ``partitioner(labels, num_clients, seed, *, num_classes=None, dataset_name="unknown")`` returns
@@ -336,13 +335,7 @@ class Partitioner(BaseModel):
     ``np.random.default_rng(seed)`` (no global state), so a seed fixes the partition.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "partitioner"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: Any) -> Any:
-        return numbers_are_numbers(cls, data)
 
     def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
         """The owner of each sample: an int64 array like ``y``, in ``[0, num_clients)`` or ``-1``."""
@@ -358,9 +351,6 @@ class Partitioner(BaseModel):
     def describe(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params().items())
         return f"{self.name}({params})"
-
-    def params(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
     def __call__(self, labels: Any, num_clients: int, seed: int, *, num_classes: int | None = None,
                  dataset_name: str = "unknown", groups: Any = None) -> Partition:
