@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.fedavg_family import client_update
 from fedlt.algorithms.longtail import etf_finetune
 from fedlt.algorithms.personal import EvalTask
@@ -23,6 +22,7 @@ from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import classifier, heads
 from fedlt.run.parts import client_data, prepare
+from golden_parts import BodyHead, InOrder
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "fedetf_personal.json").read_text())
 T = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
@@ -32,28 +32,6 @@ P, C = len(GOLDEN["start_proto"]), len(GOLDEN["start_proto"][0])
 LOSS = "balanced_softmax(absent='one')"
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(IN, D), nn.ReLU())
-        self.classifier = nn.Linear(D, C)
-
-    def forward(self, x):
-        return self.classifier(self.body(x))
-
-    def get_classifier(self):
-        return self.classifier
-
-
-@dataclasses.dataclass(frozen=True)
-class InOrder(LocalSchedule):
-    """Their DataLoader without shuffling: the batches in data order, each epoch."""
-
-    def batches(self, n, generator, device=None):
-        for _ in range(self.epochs):
-            yield from torch.arange(n).split(self.batch)
-
-
 def _weights(state):
     names = {"linear_proto.weight": "classifier.linear_proto.weight", "linear_proto.bias": "classifier.linear_proto.bias",
              "scaling_train": "classifier.scaling_train"}
@@ -61,7 +39,7 @@ def _weights(state):
 
 
 def _personal(schedule_for_finetune=None, alternations=20):
-    model = heads.attach(Net(), {"name": "etf", "proj_dim": P, "scale": 1.5}).double()
+    model = heads.attach(BodyHead(IN, D, C), {"name": "etf", "proj_dim": P, "scale": 1.5}).double()
     classifier(model).proto = T(GOLDEN["start_proto"])  # the global ETF (rebuilt from a seed in a run)
     y = torch.tensor(GOLDEN["y"])
     data = ClientData(0, T(GOLDEN["x"]), y, torch.bincount(y, minlength=C))

@@ -4,51 +4,26 @@ client's two local epochs through fedlt's real loop (same model, same batches in
 their SGD) end with their weights, their mean step loss and their class centres; the server's
 class-centre update gives theirs (except where their code divides 0 by 0)."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.longtail import FedLFUpdate, update_centres
 from fedlt.algorithms.protocol import ClientTask
 from fedlt.context import RoundContext
+from golden_parts import BodyHead, InOrder
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "fedlf.json").read_text())
 T = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
 ARGS = GOLDEN["args"]
 
 
-class Net(nn.Module):
-    """The golden's stand-in for their ResNet-8: 256 features, then the classifier."""
-
-    def __init__(self, classes):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 256), nn.ReLU())
-        self.classifier = nn.Linear(256, classes)
-
-    def forward(self, x):
-        return self.classifier(self.body(x))
-
-    def get_classifier(self):
-        return self.classifier
-
-
-@dataclasses.dataclass(frozen=True)
-class InOrder(LocalSchedule):
-    """Their DataLoader with shuffling off: the batches in data order, each epoch."""
-
-    def batches(self, n, generator, device=None):
-        for _ in range(self.epochs):
-            yield from torch.arange(n).split(self.batch)
-
-
 def _train(update):
     classes = ARGS["num_classes"]
-    model = Net(classes).double()
+    model = BodyHead(8, 256, classes).double()
     weights = {k: T(v) for k, v in GOLDEN["start"].items()}
     counts = torch.tensor(GOLDEN["class_counts"])
     data = ClientData(0, T(GOLDEN["x"]), torch.tensor(GOLDEN["y"]), counts)

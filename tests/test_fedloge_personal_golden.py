@@ -5,7 +5,6 @@ and the local head on detached features) end with their weights and loss; the lo
 global (GA-FR) feature realignment and the personal logits are theirs; and ``personal_model`` builds
 that personal model from the global weights and the client's stored state."""
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.longtail import (FedLoGeUpdate, PersonalHead, WithAux, g_aux, global_realignment,
                                        local_realignment, with_aux)
 from fedlt.algorithms.personal import EvalTask
@@ -23,6 +22,7 @@ from fedlt.config import RunConfig
 from fedlt.context import RoundContext
 from fedlt.models import heads
 from fedlt.run.parts import client_data, prepare, train_round
+from golden_parts import BodyHead, InOrder
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "fedloge_personal.json").read_text())
 SSE = json.loads((Path(__file__).parent / "golden" / "fedloge.json").read_text())
@@ -30,30 +30,8 @@ T = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
 C = SSE["num_classes"]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, SSE["feat_in"]), nn.ReLU())
-        self.classifier = nn.Linear(SSE["feat_in"], C)
-
-    def forward(self, x):
-        return self.classifier(self.body(x))
-
-    def get_classifier(self):
-        return self.classifier
-
-
-@dataclasses.dataclass(frozen=True)
-class InOrder(LocalSchedule):
-    """Their batches with shuffling off, each epoch."""
-
-    def batches(self, n, generator, device=None):
-        for _ in range(self.epochs):
-            yield from torch.arange(n).split(self.batch)
-
-
 def _model():
-    model = heads.attach(Net(), {"name": "sse_c", "steps": 0, "seed": SSE["seed"]})
+    model = heads.attach(BodyHead(8, SSE["feat_in"], C), {"name": "sse_c", "steps": 0, "seed": SSE["seed"]})
     head = model.get_classifier()
     head.fixed_weight = T(SSE["sparse_etf"]).t().contiguous()  # their SSE-C after the 10 000 steps
     head.fixed_bias = T(SSE["bias"])
