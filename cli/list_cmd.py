@@ -12,7 +12,6 @@ from rich.table import Table
 from rich.text import Text
 
 from fedlt.cli.app import app
-from fedlt.components import docstring, parameters, registries, summary_line, supplied
 from fedlt.errors import FedltError
 
 
@@ -25,6 +24,8 @@ SUPPLIED = "supplied"  # the default column of a parameter fedlt fills in: no us
 def show_component(kind: str, name: str) -> None:
     """One component: where it comes from, its parameters with defaults (those fedlt supplies
     itself last, marked as supplied), and its docstring."""
+    from fedlt.components import docstring, parameters, registries, supplied  # see list_components
+
     reg = registries()[kind]
     obj = reg.get(name)
     console = Console()
@@ -54,6 +55,10 @@ def list_components(kind: Optional[str] = typer.Argument(None, help="algorithms,
                     name: Optional[str] = typer.Argument(None, help="one component: its parameters and docstring"),
                     pattern: str = typer.Option("*", help="shell-style filter, e.g. 'fed*'")) -> None:
     """List registered components of one kind, or of every kind; with a NAME, show its parameters and docstring."""
+    # imported here, not at the top: fedlt.components loads every registry (all of fedlt), which
+    # `fedlt --help` and the other commands would otherwise pay for at start-up
+    from fedlt.components import registries, summary_line
+
     regs = registries()
     if kind is not None and kind not in regs:
         raise FedltError(f"unknown kind {kind!r} (valid: {', '.join(regs)})")

@@ -15,27 +15,28 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import fedlt.aggregators
+import fedlt.algorithms
+import fedlt.augment
+import fedlt.availability
+import fedlt.client_tests
+import fedlt.datasets
+import fedlt.losses
+import fedlt.models
+import fedlt.models.heads
+import fedlt.partitioners
+import fedlt.posthoc
+import fedlt.server_steps
+from fedlt.algorithms import split_client, split_server
+from fedlt.config import ENGINES
+from fedlt.losses import SETUP_KEYS
+from fedlt.models import DATASET_KEYS
+from fedlt.models.splitting import SPLITTERS
 from fedlt.registry import Registry
 
 
 def registries() -> dict[str, Registry]:
     """Every kind's registry, by the plural name the CLI and the docs use."""
-    import fedlt.aggregators
-    import fedlt.algorithms
-    import fedlt.client_tests
-    import fedlt.augment
-    import fedlt.availability
-    import fedlt.datasets
-    import fedlt.losses
-    import fedlt.models
-    import fedlt.models.heads
-    import fedlt.partitioners
-    import fedlt.posthoc
-    import fedlt.server_steps
-    from fedlt.algorithms import split_client, split_server
-    from fedlt.engine import ENGINES
-    from fedlt.models.splitting import SPLITTERS
-
     return {"algorithms": fedlt.algorithms.REGISTRY, "datasets": fedlt.datasets.REGISTRY,
             "partitioners": fedlt.partitioners.REGISTRY, "models": fedlt.models.REGISTRY,
             "losses": fedlt.losses.REGISTRY, "aggregators": fedlt.aggregators.REGISTRY,
@@ -47,9 +48,6 @@ def registries() -> dict[str, Registry]:
 
 def supplied(kind: str) -> tuple[str, ...]:
     """Parameters fedlt fills in itself (from the dataset or the round), not the user."""
-    from fedlt.losses import SETUP_KEYS
-    from fedlt.models import DATASET_KEYS
-
     engine = ("config", "resume", "on_round", "on_start", "options")  # what the run loop passes an engine
     return {"losses": SETUP_KEYS, "models": DATASET_KEYS, "datasets": ("root", "download"),
             "engines": engine, "posthoc": ("model",),

@@ -56,15 +56,6 @@ LAZY_ALLOWED: set[str] = {
     "fedlt.models",  # timm models import timm
     "fedlt.flower.simulation",  # the ClientApp and ServerApp import flwr (the engine must name what is missing)
 }
-# imports inside functions left in modules other helpers own (issue 31: to be moved to the top by
-# their owners; this list may only shrink)
-KNOWN_LAZY: set[str] = {
-    "fedlt.components", "fedlt.datasets", "fedlt.models.pfllib", "fedlt.testing.datasets", "fedlt.testing.engines",
-    "fedlt.testing.algorithms", "fedlt.testing.aggregators", "fedlt.testing.partitioners", "fedlt.testing.models",
-    "fedlt.testing.losses",
-}
-# functions over the limit in modules other helpers own (this list may only shrink)
-KNOWN_LONG: set[str] = {"fedlt.partitioners.base.load", "fedlt.datasets.imagefolder.imagefolder"}
 MAX_FUNCTION_LINES = 80
 
 
@@ -183,7 +174,7 @@ def test_no_import_circle():
 
 def test_no_fedlt_import_inside_a_function():
     lazy = [f"{m} line {line} imports {t}" for m, edges in GRAPH.items() for t, line, inside in edges
-            if inside and layer(m) < LAYERS["fedlt.cli"] and m not in LAZY_ALLOWED | KNOWN_LAZY]
+            if inside and layer(m) < LAYERS["fedlt.cli"] and m not in LAZY_ALLOWED]
     assert lazy == []
 
 
@@ -195,7 +186,7 @@ def test_no_function_over_80_lines():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES and f"{module}.{node.name}" not in KNOWN_LONG:
+                if length > MAX_FUNCTION_LINES:
                     long.append(f"{module}.{node.name}: {length} lines")
     assert long == []
 

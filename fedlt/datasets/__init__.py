@@ -2,7 +2,11 @@
 from a spec such as ``imagefolder(image_size=96)``. Images are in-memory tensors, or image sources
 decoded on demand (``imagefolder``; fedlt.datasets.source)."""
 
+import inspect
+
+from fedlt.errors import FedltError
 from fedlt.registry import Registry
+from fedlt.spec import parse_spec
 
 DATASET_FIELDS = ("x_train", "y_train", "x_test", "y_test", "num_classes")
 
@@ -23,11 +27,6 @@ def parse(spec: str) -> tuple[str, dict]:
     """``"mnist"`` / ``"imagefolder(image_size=96, train_list=train.txt)"`` -> (name, params), the
     name registered and the parameter names checked against the dataset's signature (their values
     when it is created); the root and download come from their own settings, not the spec."""
-    import inspect
-
-    from fedlt.errors import FedltError
-    from fedlt.spec import parse_spec
-
     parsed = parse_spec(spec, "dataset")
     name = parsed.pop("name")
     fixed = sorted({"root", "download"} & set(parsed))

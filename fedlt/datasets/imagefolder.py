@@ -768,6 +768,24 @@ def imagefolder(root: str | Path | None = None, download: bool = False, image_si
         cache: a folder keeping decoded, resized uint8 images (.npy, keyed by the file list and
             the size) for repeated runs; default: none.
     """
+    root, size, channels = _check_settings(root, download, image_size, channels, fit, mean, std, train_list,
+                                           test_list)
+    train, test, num_classes, class_names = _list_splits(root, train_list, test_list)
+    given = None if mean is None else (_channel_values("mean", mean, channels, False),
+                                       _channel_values("std", std, channels, True))
+    sources = _image_files(train, test, size, channels, fit, cache)
+    stats = _normalisation(sources[0], given, channels)
+    x_train, x_test = (FileImages(files, np.arange(len(files.listing.paths)), *stats, (channels, size, size))
+                       for files in sources)
+    return InMemoryDataset("imagefolder", x_train, torch.from_numpy(train.labels), x_test,
+                           torch.from_numpy(test.labels), num_classes, class_names=class_names)
+
+
+# -- imagefolder's steps --------------------------------------------------------------------------
+def _check_settings(root: str | Path | None, download: bool, image_size: int, channels: int, fit: str,
+                    mean: Any, std: Any, train_list: str | None, test_list: str | None) -> tuple[Path, int, int]:
+    """The root folder, image size and channel count, once every setting is known good: a bad
+    one is refused before any file is listed (which walks every file of a large dataset)."""
     if download:
         raise FedltError(f"{WHAT} reads your own files: --download does not apply")
     if root is None:
@@ -787,31 +805,44 @@ def imagefolder(root: str | Path | None = None, download: bool = False, image_si
     if (train_list is None) != (test_list is None):
         raise FedltError(f"{WHAT}: give both train_list and test_list, or neither (then root/train and root/test "
                          "hold one folder per class)")
+    return root, size, channels
+
+
+def _list_splits(root: Path, train_list: str | None, test_list: str | None
+                 ) -> tuple[Listing, Listing, int, tuple[str, ...] | None]:
+    """The train and test listings, the class count and the class names (the folders' names;
+    none for file lists, whose labels are numbers): from the lists when given, else the folders."""
     if train_list is not None:
         train, test = read_list(root, train_list, "train_list"), read_list(root, test_list, "test_list")
         num_classes = int(max(train.labels.max(), test.labels.max())) + 1
         if num_classes < 2:
             raise FedltError(f"{WHAT}: the lists name a single class (0); a classifier needs at least 2")
-        class_names = None
-    else:
-        train, classes = list_folders(root, "train")
-        test, _ = list_folders(root, "test", classes)
-        num_classes, class_names = len(classes), tuple(classes)
-    given = None if mean is None else (_channel_values("mean", mean, channels, False),
-                                       _channel_values("std", std, channels, True))
+        return train, test, num_classes, None
+    train, classes = list_folders(root, "train")
+    test, _ = list_folders(root, "test", classes)
+    return train, test, len(classes), tuple(classes)
+
+
+def _image_files(train: Listing, test: Listing, size: int, channels: int, fit: str,
+                 cache: str | None) -> list[ImageFiles]:
+    """The train and test image sources, each with its cache when one is asked for."""
     stamps = [check_files(listing) for listing in (train, test)]  # every file, before any cache is touched
     sources = [ImageFiles(listing, size, channels, fit, stamps=s) for listing, s in zip((train, test), stamps)]
     if cache is not None:
         usable(Path(cache))
         sources = [replace(files, cache=Cache(Path(cache), cache_key(files.listing, files.stamps, size, channels, fit),
                                               len(files.listing.paths), (size, size, channels))) for files in sources]
-    store = sources[0].cache
+    return sources
+
+
+def _normalisation(train: ImageFiles, given: tuple[tuple[float, ...], tuple[float, ...]] | None,
+                   channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel mean and std: as given, else those the cache kept for these files, else
+    computed over the training images (and handed to the cache, which writes them with the pixels)."""
+    store = train.cache
     stats = given or (store and read_stats(store.stats_file, store.key, channels))
     if not stats:
-        stats = pixel_statistics(sources[0], len(train.paths))
+        stats = pixel_statistics(train, len(train.listing.paths))
         if store is not None:  # written beside the pixels once the cache is made (when the run trains)
             store.stats = {"mean": [*stats[0]], "std": [*stats[1]]}
-    x_train, x_test = (FileImages(files, np.arange(len(files.listing.paths)), *stats, (channels, size, size))
-                       for files in sources)
-    return InMemoryDataset("imagefolder", x_train, torch.from_numpy(train.labels), x_test,
-                           torch.from_numpy(test.labels), num_classes, class_names=class_names)
+    return stats

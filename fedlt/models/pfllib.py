@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedlt.errors import FedltError
 from fedlt.models import register
 
 
@@ -37,8 +38,6 @@ class FedAvgCNN(nn.Module):
 @register("pfllib_cnn")
 def pfllib_cnn(in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> FedAvgCNN:
     """PFLlib's FedAvgCNN (conv 32 → conv 64 → fc 512 → classifier) for 28×28 or larger images."""
-    from fedlt.errors import FedltError
-
     if image_size < 16:
         raise FedltError(f"model pfllib_cnn needs images of at least 16x16, got image_size={image_size}")
     return FedAvgCNN(in_chans, num_classes, image_size)

@@ -220,7 +220,9 @@ class Partition:
         """Read a file written by ``save``; anything truncated, edited or foreign is a FedltError.
 
         Never unpickles (``allow_pickle=False``); checks the layout, then recomputes the sha256
-        over the indices and compares it with the manifest's.
+        over the indices and compares it with the manifest's. The checks run in this order, so
+        a file with several faults is named by the first: the archive, the manifest's bytes, the
+        index layout, the manifest's fields, then the indices against the manifest.
         """
         path = Path(path)
         if not path.is_file():
@@ -229,77 +231,108 @@ class Partition:
         def bad(reason: str) -> FedltError:
             return FedltError(f"{path} is not a valid fedlt partition file ({reason})")
 
-        # numpy's own errors suggest loading with allow_pickle, which an untrusted file must never
-        # get: the file is classified by its first bytes, and none of numpy's text is relayed
-        try:
-            with open(path, "rb") as f:
-                head = f.read(8)
-        except OSError as exc:
-            raise bad(f"cannot be read: {exc.strerror or type(exc).__name__}") from None
-        if head[:1] == b"\x80" or head[:1] in (b"(", b"c", b"]", b"}"):
-            raise FedltError(f"{path} is refused: it is a Python pickle, which could run code when loaded; "
-                             "a fedlt partition file is an .npz of plain arrays")
-        if not head.startswith(b"PK\x03\x04"):
-            kind = "a single .npy array" if head.startswith(b"\x93NUMPY") else "empty" if not head else "not a zip"
-            raise bad(f"{kind}, not the .npz archive fedlt writes")
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                if set(npz.files) != _FILE_KEYS:
-                    raise bad(f"expected arrays {sorted(_FILE_KEYS)}, found {sorted(npz.files)[:5]}")
-                arrays = {k: npz[k] for k in _FILE_KEYS}  # reading checks each member's CRC
-        except FedltError:
-            raise
-        except ValueError as exc:
-            if "pickle" in str(exc) or "Object arrays" in str(exc):
-                raise FedltError(f"{path} is refused: an array in it holds pickled Python objects, which could "
-                                 "run code when loaded; a fedlt partition file holds only plain arrays") from None
-            raise bad(f"a member is damaged ({type(exc).__name__})") from None
-        except Exception as exc:  # truncated zip, bad CRC, ...: zipfile's words are safe to relay
-            detail = first_line(exc)[:120] if isinstance(exc, zipfile.BadZipFile) else type(exc).__name__
-            raise bad(f"truncated or damaged archive: {detail}") from None
-
-        for key in sorted(_FILE_KEYS):  # numpy hands back a member that is not .npy data as raw bytes
-            if not isinstance(arrays[key], np.ndarray):
-                raise bad(f"member {key!r} is not a .npy array")
-        raw, indices, offsets = arrays["manifest"], arrays["indices"], arrays["offsets"]
-        if raw.dtype != np.uint8 or raw.ndim != 1:
-            raise bad("manifest is not UTF-8 bytes")
-        try:
-            manifest = json.loads(raw.tobytes().decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise bad(f"manifest is not JSON: {exc}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise bad(f"manifest format is not {FORMAT!r}")
-        if indices.dtype != np.int64 or offsets.dtype != np.int64 or indices.ndim != 1 or offsets.ndim != 1:
-            raise bad("indices and offsets must be 1-D int64")
-        if offsets.size < 2 or offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
-            raise bad("offsets do not delimit the indices")
-        sizes = np.diff(offsets)
-        if np.any(sizes == 0):  # what every partitioner guarantees; an empty client cannot train
-            empty = np.flatnonzero(sizes == 0)
-            raise bad(f"{empty.size} of {sizes.size} clients hold no sample (first: client {int(empty[0])}); "
-                      "every client of a partition needs at least one")
-        client_indices = np.split(indices, offsets[1:-1])
+        _refuse_foreign_bytes(path, bad)
+        arrays = _read_arrays(path, bad)
+        manifest = _decode_manifest(arrays["manifest"], bad)
+        client_indices = _split_clients(arrays["indices"], arrays["offsets"], bad)
         _check_manifest_fields(manifest, bad)
-        declared, num_clients = manifest["sha256"], manifest["num_clients"]
-        size = manifest["dataset"]["size"]
-        try:
-            counts = np.asarray(manifest["class_counts"], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise bad("manifest field 'class_counts' is not a table of integers") from None
-        if counts.ndim != 2 or counts.shape[1] != manifest["num_classes"] or (counts.size and counts.min() < 0):
-            raise bad("manifest field 'class_counts' is not a K×C table of counts")
-        if indices_sha256(client_indices) != declared:
-            raise bad("sha256 of the indices does not match the manifest: the file was edited or corrupted")
-        if num_clients != len(client_indices) or counts.ndim != 2 or counts.shape[0] != num_clients:
-            raise bad("manifest's client count does not match the indices")
-        if not np.array_equal(counts.sum(axis=1), sizes):
-            raise bad("manifest's class_counts do not add up to the clients' sizes")
-        if indices.size and (indices.min() < 0 or indices.max() >= size):
-            raise bad(f"indices outside the dataset's {size} samples")
-        if np.unique(indices).size != indices.size:
-            raise bad("a sample is assigned to more than one client")
+        _check_against_manifest(manifest, client_indices, arrays["indices"], bad)
         return cls(client_indices, manifest)
+
+
+# -- reading a partition file (Partition.load's steps; ``bad(reason)`` makes each step's error) --
+def _refuse_foreign_bytes(path: Path, bad) -> None:
+    """Classify the file by its first bytes before numpy sees it: numpy's own errors suggest
+    loading with allow_pickle, which an untrusted file must never get, so none of its text is
+    relayed and a pickle is refused outright."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise bad(f"cannot be read: {exc.strerror or type(exc).__name__}") from None
+    if head[:1] == b"\x80" or head[:1] in (b"(", b"c", b"]", b"}"):
+        raise FedltError(f"{path} is refused: it is a Python pickle, which could run code when loaded; "
+                         "a fedlt partition file is an .npz of plain arrays")
+    if not head.startswith(b"PK\x03\x04"):
+        kind = "a single .npy array" if head.startswith(b"\x93NUMPY") else "empty" if not head else "not a zip"
+        raise bad(f"{kind}, not the .npz archive fedlt writes")
+
+
+def _read_arrays(path: Path, bad) -> dict[str, np.ndarray]:
+    """The archive's three members (``_FILE_KEYS``), each read whole (which checks its CRC) and
+    each a .npy array; an archive that is damaged, pickled or has other members is refused."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if set(npz.files) != _FILE_KEYS:
+                raise bad(f"expected arrays {sorted(_FILE_KEYS)}, found {sorted(npz.files)[:5]}")
+            arrays = {k: npz[k] for k in _FILE_KEYS}  # reading checks each member's CRC
+    except FedltError:
+        raise
+    except ValueError as exc:
+        if "pickle" in str(exc) or "Object arrays" in str(exc):
+            raise FedltError(f"{path} is refused: an array in it holds pickled Python objects, which could "
+                             "run code when loaded; a fedlt partition file holds only plain arrays") from None
+        raise bad(f"a member is damaged ({type(exc).__name__})") from None
+    except Exception as exc:  # truncated zip, bad CRC, ...: zipfile's words are safe to relay
+        detail = first_line(exc)[:120] if isinstance(exc, zipfile.BadZipFile) else type(exc).__name__
+        raise bad(f"truncated or damaged archive: {detail}") from None
+    for key in sorted(_FILE_KEYS):  # numpy hands back a member that is not .npy data as raw bytes
+        if not isinstance(arrays[key], np.ndarray):
+            raise bad(f"member {key!r} is not a .npy array")
+    return arrays
+
+
+def _decode_manifest(raw: np.ndarray, bad) -> dict[str, Any]:
+    """The manifest member (UTF-8 JSON stored as uint8) as a dict of this file format."""
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise bad("manifest is not UTF-8 bytes")
+    try:
+        manifest = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"manifest is not JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise bad(f"manifest format is not {FORMAT!r}")
+    return manifest
+
+
+def _split_clients(indices: np.ndarray, offsets: np.ndarray, bad) -> list[np.ndarray]:
+    """Each client's indices: ``indices[offsets[k]:offsets[k+1]]``, once the offsets are known to
+    delimit the indices and to give every client at least one sample."""
+    if indices.dtype != np.int64 or offsets.dtype != np.int64 or indices.ndim != 1 or offsets.ndim != 1:
+        raise bad("indices and offsets must be 1-D int64")
+    if offsets.size < 2 or offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
+        raise bad("offsets do not delimit the indices")
+    sizes = np.diff(offsets)
+    if np.any(sizes == 0):  # what every partitioner guarantees; an empty client cannot train
+        empty = np.flatnonzero(sizes == 0)
+        raise bad(f"{empty.size} of {sizes.size} clients hold no sample (first: client {int(empty[0])}); "
+                  "every client of a partition needs at least one")
+    return np.split(indices, offsets[1:-1])
+
+
+def _check_against_manifest(manifest: dict[str, Any], client_indices: list[np.ndarray], indices: np.ndarray,
+                            bad) -> None:
+    """The indices are those the manifest describes: its sha256, client count, class counts
+    (a K×C table adding up to the clients' sizes) and dataset size; no sample held twice."""
+    declared, num_clients = manifest["sha256"], manifest["num_clients"]
+    size = manifest["dataset"]["size"]
+    try:
+        counts = np.asarray(manifest["class_counts"], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise bad("manifest field 'class_counts' is not a table of integers") from None
+    if counts.ndim != 2 or counts.shape[1] != manifest["num_classes"] or (counts.size and counts.min() < 0):
+        raise bad("manifest field 'class_counts' is not a K×C table of counts")
+    if indices_sha256(client_indices) != declared:
+        raise bad("sha256 of the indices does not match the manifest: the file was edited or corrupted")
+    if num_clients != len(client_indices) or counts.ndim != 2 or counts.shape[0] != num_clients:
+        raise bad("manifest's client count does not match the indices")
+    sizes = np.fromiter((len(i) for i in client_indices), dtype=np.int64, count=len(client_indices))
+    if not np.array_equal(counts.sum(axis=1), sizes):
+        raise bad("manifest's class_counts do not add up to the clients' sizes")
+    if indices.size and (indices.min() < 0 or indices.max() >= size):
+        raise bad(f"indices outside the dataset's {size} samples")
+    if np.unique(indices).size != indices.size:
+        raise bad("a sample is assigned to more than one client")
 
 
 def _is_int(value: Any) -> bool:

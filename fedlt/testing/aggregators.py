@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+import fedlt.aggregators
 from fedlt.testing.base import Contract, registered
 
 State = dict[str, torch.Tensor]
@@ -42,8 +43,6 @@ def check_aggregator(aggregator: Any, params: dict[str, Any] | None = None) -> N
     [state round trip] (a fresh aggregator loaded with another's ``state_dict`` after a round
     continues identically, for two more rounds).
     """
-    import fedlt.aggregators
-
     with registered(fedlt.aggregators.REGISTRY, aggregator, "contract_aggregator") as name:
         c = Contract(f"aggregator {name!r}")
 

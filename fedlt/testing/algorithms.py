@@ -8,6 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import fedlt.algorithms
+from fedlt.config import RunConfig
+from fedlt.engine import prepare, run
 from fedlt.errors import FedltError
 from fedlt.testing.base import Contract, cut_after, metric_rows, registered, run_differences
 
@@ -18,8 +21,6 @@ TINY = dict(dataset="mnist", train_limit=600, test_limit=100, clients=6, partici
 def split_model_for(config: Any) -> str:
     """``mlp``, or ``alexnet`` when the algorithm of ``config`` (an ``mlp`` run) needs a model
     with named cut points (a split algorithm)."""
-    from fedlt.engine import prepare
-
     try:
         prepare(config.model_copy(update={"model": "mlp"}))
     except FedltError as exc:
@@ -41,10 +42,6 @@ def check_algorithm(algorithm: Any, params: dict[str, Any] | None = None, *, mod
     aside — and the checkpointed server and client states, bit for bit; a failure names the first
     field that differs).
     """
-    import fedlt.algorithms
-    from fedlt.config import RunConfig
-    from fedlt.engine import run
-
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-contract-") as tmp:
         c = Contract(f"algorithm {name!r}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+import fedlt.datasets
 from fedlt.datasets.source import images
 from fedlt.testing.base import Contract, registered
 
@@ -25,8 +26,6 @@ def check_dataset(dataset: Any, params: dict[str, Any] | None = None, *, limit: 
     at once, a subset, the minibatch stream, consecutive chunks — decode to the same values, of
     the declared shape).
     """
-    import fedlt.datasets
-
     with registered(fedlt.datasets.REGISTRY, dataset, "contract_dataset") as name:
         c = Contract(f"dataset {name!r}")
         with c.property("construction"):

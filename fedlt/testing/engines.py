@@ -25,7 +25,11 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import fedlt.algorithms
 from fedlt import io
+from fedlt.config import RunConfig
+from fedlt.engine import run, sample_clients
+from fedlt.flower.simulation import Job, simulate
 from fedlt.testing.algorithms import TINY, split_model_for
 from fedlt.testing.base import Contract, cut_after, differences, metric_rows, run_differences
 
@@ -63,8 +67,6 @@ def _label(name: str, params: dict[str, Any]) -> str:
 def drop_pattern(config: Any) -> dict[str, Any]:
     """Settings that drop one sampled client in round 1 and another in round 2 (unavailable
     during the round: a split-learning client leaves mid-exchange) under ``on_failure="drop"``."""
-    from fedlt.engine import sample_clients
-
     first, second = (sample_clients(config.clients, config.participation, config.seeds.sampling, r) for r in (0, 1))
     return {"availability": {"name": "scripted", "drops": [[1, first[0]], [2, second[-1]]], "when": "after"},
             "faults": {"on_failure": "drop", "min_results": 1}}
@@ -82,11 +84,6 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
     covers them. ``resume``: check exact resume on Flower
     for every case (True), none (False), or the algorithms named. Raises ContractError naming the
     algorithm, the property and the first differences."""
-    import fedlt.algorithms
-    from fedlt.config import RunConfig
-    from fedlt.engine import run
-    from fedlt.flower.simulation import Job, simulate
-
     normalised = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
                   for c in cases]
     with tempfile.TemporaryDirectory(prefix="fedlt-engines-") as tmp:

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+import fedlt.losses
+from fedlt.context import RoundContext
+from fedlt.losses.compose import build, create_term
 from fedlt.testing.base import Contract, registered
 
 C = 4  # classes in every case
@@ -25,8 +28,6 @@ EXTREME = 1e4
 def _setup(counts: list[float], seed: int) -> dict[str, Any]:
     """Every value a term may name: the client's own, and every round-context field (round 2 of
     5 here, so a term that schedules on the round has a round to read)."""
-    from fedlt.context import RoundContext
-
     g = torch.Generator().manual_seed(seed)
     global_counts = torch.tensor([50.0, 30.0, 20.0, 40.0], dtype=torch.float64)
     context = RoundContext(round_index=1, rounds=5, num_clients=4, participants=(0, 2), num_classes=C,
@@ -65,9 +66,6 @@ def check_loss_term(term: Any, params: dict[str, Any] | None = None, *, shift_in
     (a fresh term loaded with another's ``state_dict`` continues identically); [expression] (the
     term inside ``0.5*term + ce`` gives 0.5·term + ce).
     """
-    import fedlt.losses
-    from fedlt.losses.compose import build, create_term
-
     params = dict(params or {})
     with registered(fedlt.losses.REGISTRY, term, "contract_term") as name:
         c = Contract(f"loss {name!r}")

@@ -9,7 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import fedlt.models
 from fedlt.errors import FedltError
+from fedlt.models.splitting import SPLITTERS, cut_points, find_splitter, split
+from fedlt.spec import format_spec
 from fedlt.testing.base import Contract, registered
 
 
@@ -47,10 +50,6 @@ def check_model(model: Any, params: dict[str, Any] | None = None, *, in_chans: i
     splitter applies to it (required with ``splittable=True``), [every split point listed works],
     [server(client(x)) == model(x)] and [parameters partitioned] at each one.
     """
-    import fedlt.models
-    from fedlt.models.splitting import cut_points, find_splitter, split
-    from fedlt.spec import format_spec
-
     with registered(fedlt.models.REGISTRY, model, "contract_model") if not (
             isinstance(model, str) and model.startswith("timm:")) else _as_is(model) as name:
         c = Contract(f"model {name!r}")
@@ -81,8 +80,6 @@ def check_splitter(splitter: Any, model: nn.Module, example_input: torch.Tensor)
     Properties: [applies]; [every split point listed works], [server(client(x)) == model(x)] and
     [parameters partitioned] for each of its ``cut_points(model)``.
     """
-    from fedlt.models.splitting import SPLITTERS
-
     obj = SPLITTERS.get(splitter) if isinstance(splitter, str) else splitter
     c = Contract(f"splitter {splitter if isinstance(splitter, str) else type(splitter).__name__!r}")
     with c.property("applies"):

@@ -9,7 +9,10 @@ from typing import Any
 
 import numpy as np
 
+import fedlt.partitioners
 from fedlt.errors import FedltError
+from fedlt.partitioners import Partition
+from fedlt.partitioners.base import class_counts_of, indices_sha256
 from fedlt.testing.base import Contract, registered
 
 HANG_SECONDS = 30.0
@@ -38,10 +41,6 @@ def check_partitioner(partitioner: Any, params: dict[str, Any] | None = None, *,
     clients than samples raises FedltError within 30 s). ``groups`` (one id per label) are passed
     to a partitioner that follows the data's natural groups (``natural``).
     """
-    import fedlt.partitioners
-    from fedlt.partitioners import Partition
-    from fedlt.partitioners.base import class_counts_of, indices_sha256
-
     y = _labels() if labels is None else np.asarray(labels)
     groups = None if groups is None else np.asarray(groups)
     num_classes = int(y.max()) + 1
