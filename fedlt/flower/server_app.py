@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,10 @@ from fedlt.run import loop
 
 NODE_WAIT_S = 120.0  # how long to wait for the SuperNodes to connect
 REPLY_WAIT_S = 3600.0  # how long one exchange may take (a round's local training, at most)
+# polling for replies backs off from FIRST_POLL_S to ``poll_cap``: light on a SuperLink (a second);
+# in simulation the grid is in memory and a reply comes in milliseconds, so a second-long pause
+# (or the 0.5 s one the node query had) was most of a small round's time (simulate passes 0.05 s)
+FIRST_POLL_S, POLL_CAP_S = 0.01, 1.0
 
 
 # the Flower message type of each kind of one-call work (fedlt.algorithms.protocol.CLIENT_CALLS);
@@ -44,11 +48,12 @@ class FlowerRunner(Runner):
     fatal, under ``faults.on_failure="drop"`` (``tolerate``)."""
 
     def __init__(self, grid: Grid, config: RunConfig, node_wait: float = NODE_WAIT_S,
-                 reply_wait: float | None = None) -> None:
+                 reply_wait: float | None = None, poll_cap: float = POLL_CAP_S) -> None:
         super().__init__(tolerate=config.faults.on_failure == "drop")
         # the round policy's deadline is the wait for replies too (docs/faults.md)
         reply_wait = reply_wait or config.faults.round_timeout or REPLY_WAIT_S
         self.grid, self.config, self.node_wait, self.reply_wait = grid, config, node_wait, reply_wait
+        self.poll_cap = poll_cap
         self.device = torch.device(config.device)
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
@@ -88,6 +93,7 @@ class FlowerRunner(Runner):
         deadline = time.monotonic() + (self.node_wait if first else self.reply_wait)
         waiting: set[str] = set()  # this call's queries
         refused: dict[int, str] = {}  # node -> its error, the first time
+        pauses = self._pauses()
         while True:
             new = [node for node in self.grid.get_node_ids() if node not in self._asked]
             if new:
@@ -109,7 +115,7 @@ class FlowerRunner(Runner):
             complete = len(self._nodes.keys() & set(range(self.config.clients))) == self.config.clients
             if (complete if first else not waiting) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
+            time.sleep(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
         missing = sorted(set(range(self.config.clients)) - set(self._nodes))
         if missing and first:
             raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {self.config.clients} after "
@@ -155,10 +161,9 @@ class FlowerRunner(Runner):
             return []
         ids = list(self.grid.push_messages(messages))
         replies: dict[str, Message] = {}
-        deadline, pause = time.monotonic() + self.reply_wait, 0.05
+        deadline, pauses = time.monotonic() + self.reply_wait, self._pauses()
         while len(replies) < len(ids) and time.monotonic() < deadline:
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            pause = min(2 * pause, 1.0)  # prompt in simulation, light on a SuperLink
+            time.sleep(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
             for reply in self.grid.pull_messages([i for i in ids if i not in replies]):
                 replies[reply.metadata.reply_to_message_id] = reply
         ordered = [replies.get(i) for i in ids]
@@ -170,6 +175,14 @@ class FlowerRunner(Runner):
                 if reply.has_error():
                     raise FedltError(f"{what}: node {message.metadata.dst_node_id} failed: {reply.error.reason}")
         return ordered
+
+
+    def _pauses(self) -> Iterator[float]:
+        """The waits between two polls of the grid: doubling from FIRST_POLL_S up to ``poll_cap``."""
+        pause = FIRST_POLL_S
+        while True:
+            yield pause
+            pause = min(2 * pause, self.poll_cap)
 
 
 def error_line(reason: str) -> str:

@@ -39,6 +39,7 @@ from fedlt.run.signals import StoppedAtOnce, TwoSignalStop
 # the simulation's SuperNodes exist from the start and answer once Ray has started their actors,
 # which a loaded machine can delay beyond a deployment's 120 s: wait longer, there is nothing to miss
 SIMULATED_NODE_WAIT_S = 900.0
+SIMULATED_POLL_CAP_S = 0.05  # the in-memory grid answers in milliseconds (server_app.FIRST_POLL_S)
 
 LOG_NAME = "flower.log"  # Flower's and Ray's log lines of the run, beside its other files
 LOGGERS = ("flwr", "ray")
@@ -179,7 +180,8 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
             signals.in_loop = True
             try:
                 for job in jobs:
-                    runner = FlowerRunner(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S)
+                    runner = FlowerRunner(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S,
+                                          poll_cap=SIMULATED_POLL_CAP_S)
                     summary = loop.run(job.config, resume=job.resume, on_round=job.on_round,
                                        on_start=job.on_start, runner=runner,
                                        stop_requested=lambda: signals.first)
