@@ -22,7 +22,7 @@ with the component and the name of the property, e.g.
 | aggregator | :func:`check_aggregator` |
 | dataset | :func:`check_dataset` |
 | algorithm | :func:`check_algorithm` |
-| algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra) |
+| algorithm, on every engine | :func:`check_engines` (needs the ``flower`` extra; :class:`EngineCheck`: several in one simulation) |
 | algorithm, in worker processes | :func:`check_parallel` |
 | server-side step | :func:`check_server_step` |
 | algorithm, on a (pretend) device | :func:`check_device` |
@@ -38,12 +38,12 @@ from fedlt.testing.heads import check_head
 from fedlt.testing.aggregators import check_aggregator
 from fedlt.testing.datasets import check_dataset
 from fedlt.testing.algorithms import check_algorithm
-from fedlt.testing.engines import check_engines
+from fedlt.testing.engines import EngineCheck, check_engines
 from fedlt.testing.parallel import check_parallel
 from fedlt.testing.server_steps import check_server_step
 from fedlt.testing.device import check_device
 from fedlt.testing.cohort import check_cohort
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_client_test", "check_model", "check_splitter", "check_head",
-           "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "check_parallel",
+           "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "EngineCheck", "check_parallel",
            "check_server_step", "check_device", "check_cohort"]

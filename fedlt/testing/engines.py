@@ -11,7 +11,7 @@ kernels may round differently — measured up to 1.2e-6 on weights of SFL-LocalL
 else exactly); and the Flower run's directory as a kill after round 1 leaves it, resumed with
 the same settings, must end exactly where the uninterrupted Flower run does (metrics rows and
 checkpointed states, bit for bit; the first field that differs is named). All algorithms share
-ONE simulation (Ray starts once).
+ONE simulation (Ray starts once); :class:`EngineCheck` lets several checks share one.
 
 Flower runs each client in another process, which finds the algorithm by its registered name:
 check a built-in or an installed plugin's entry point, not an object registered in this process.
@@ -33,7 +33,7 @@ from fedlt.flower.simulation import Job, simulate
 from fedlt.testing.algorithms import TINY, split_model_for
 from fedlt.testing.base import Contract, cut_after, differences, metric_rows, run_differences
 
-__all__ = ["check_engines", "differences", "drop_pattern"]  # differences: also imported from here by older code
+__all__ = ["EngineCheck", "check_engines", "differences", "drop_pattern"]  # differences: also imported from here by older code
 
 Case = "str | tuple[str, dict[str, Any]]"
 
@@ -83,49 +83,77 @@ def check_engines(cases: Sequence[Any], *, atol: float = 1e-6, resume: bool | Co
     unless ``settings`` say otherwise) and the per-client fields must agree too; an exact resume
     covers them. ``resume``: check exact resume on Flower
     for every case (True), none (False), or the algorithms named. Raises ContractError naming the
-    algorithm, the property and the first differences."""
-    normalised = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
-                  for c in cases]
+    algorithm, the property and the first differences. Several checks (and other Flower runs) can
+    share one simulation through :class:`EngineCheck`."""
     with tempfile.TemporaryDirectory(prefix="fedlt-engines-") as tmp:
-        configs, jobs, resumes = [], [], []
-        for k, (name, params, own) in enumerate(normalised):
+        check = EngineCheck(cases, Path(tmp), atol=atol, resume=resume, drops=drops, **settings)
+        check.run_local()
+        simulate(check.jobs)
+        check.verify()
+
+
+class EngineCheck:
+    """``check_engines`` in its three steps, so that several checks — and other Flower runs —
+    share ONE simulation (Ray and its client actors start once: most of a small check's time):
+    build it (the runs' settings, in folders under ``root``), ``run_local()``, simulate ``jobs``
+    together with whatever else, then ``verify()``."""
+
+    def __init__(self, cases: Sequence[Any], root: Path, *, atol: float = 1e-6,
+                 resume: bool | Collection[str] = True, drops: bool = False, **settings: Any) -> None:
+        self.atol, self.drops = atol, drops
+        root.mkdir(parents=True, exist_ok=True)
+        self.cases = [(c, {}, {}) if isinstance(c, str) else (c[0], dict(c[1]), dict(c[2]) if len(c) > 2 else {})
+                      for c in cases]
+        self.runs: list[tuple[RunConfig, RunConfig, RunConfig, Path]] = []  # local, flower, resumed, local cut
+        self.resumes: list[bool] = []
+        self.jobs: list[Job] = []  # the Flower runs to simulate
+        for k, (name, params, own) in enumerate(self.cases):
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
             base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=2)
-            base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+            base.setdefault("model", split_model_for(RunConfig(**base, out=root / "probe")))
             base = with_personal(base)
             if drops:
-                base.update(drop_pattern(RunConfig(**base, out=Path(tmp) / "probe")))
-            make = lambda where, **more: RunConfig(**{**base, **more, "out": Path(tmp) / f"{k}-{where}"})  # noqa: E731
+                base.update(drop_pattern(RunConfig(**base, out=root / "probe")))
+            make = lambda where, **more: RunConfig(**{**base, **more, "out": root / f"{k}-{where}"})  # noqa: E731
             local, flower, resumed = make("local"), make("flower", engine="flower"), make("resumed", engine="flower")
-            configs.append((local, flower, resumed, Path(tmp) / f"{k}-local-cut"))
-            resumes.append(resume if isinstance(resume, bool) else name in resume)
+            self.runs.append((local, flower, resumed, root / f"{k}-local-cut"))
+            self.resumes.append(resume if isinstance(resume, bool) else name in resume)
             # the Flower run's directory as a kill after round 1 leaves it, resumed with the same settings
-            jobs.append(Job(flower, on_round=cut_after(1, flower.out, resumed.out) if resumes[-1] else None))
-            if resumes[-1]:
-                jobs.append(Job(resumed, resume=True))
-        for local, *_, cut in configs:
-            run(local, on_round=cut_after(1, local.out, cut) if drops else None)
-        simulate(jobs)
-        for (name, params, own), (local, flower, resumed, cut), resume in zip(normalised, configs, resumes):
-            c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
-            ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt")
-                    for key, cfg in (("local", local), ("flower", flower))}
-            for part, what in (("algorithm", "global model and server state"), ("client_states", "client states")):
-                found = differences(ends["local"][part], ends["flower"][part], atol)
-                c.check(not found, "same answer on every engine",
-                        f"{what} after 2 rounds differ between local and flower: {'; '.join(found[:3])}")
-            found = differences(per_client_fields(local.out), per_client_fields(flower.out), atol)
-            c.check(not found, "same per-client numbers on every engine",
-                    f"per-client evaluation fields differ between local and flower: {'; '.join(found[:3])}")
-            if resume:
-                found = run_differences(flower.out, resumed.out)
-                c.check(not found, "exact resume on flower", "cut after round 1 (same settings) and resumed differs "
-                        f"from the uninterrupted run: {'; '.join(found[:3])}")
-            if drops:
-                rows = [json.loads(line) for line in (Path(local.out) / "metrics.jsonl").read_text().splitlines()]
-                c.check(all(len(r["dropped"]) == 1 for r in rows), "drops", f"dropped per round: {[r['dropped'] for r in rows]}")
-                dropped = int(next(iter(rows[1]["dropped"])))
-                before = io.load_checkpoint(cut / "checkpoint.pt")["client_states"].get(dropped, {})
-                found = differences(before, ends["local"]["client_states"].get(dropped, {}), 0.0)
-                c.check(not found, "no state change for a dropped client",
-                        f"client {dropped}, dropped in round 2, changed its state: {'; '.join(found[:3])}")
+            self.jobs.append(Job(flower, on_round=cut_after(1, flower.out, resumed.out) if self.resumes[-1] else None))
+            if self.resumes[-1]:
+                self.jobs.append(Job(resumed, resume=True))
+
+    def run_local(self) -> None:
+        for local, *_, cut in self.runs:
+            run(local, on_round=cut_after(1, local.out, cut) if self.drops else None)
+
+    def verify(self) -> None:
+        """Raises ContractError for the first case that breaks a property (after ``run_local``
+        and the simulation of ``jobs``)."""
+        for case, runs, resume in zip(self.cases, self.runs, self.resumes):
+            self._verify_case(case, runs, resume)
+
+    def _verify_case(self, case: tuple[str, dict, dict], runs: tuple[RunConfig, RunConfig, RunConfig, Path],
+                     resume: bool) -> None:
+        (name, params, own), (local, flower, resumed, cut), atol = case, runs, self.atol
+        c = Contract(f"algorithm {_label(name, params)!r}" + (f" with {own}" if own else ""))
+        ends = {key: io.load_checkpoint(Path(cfg.out) / "checkpoint.pt") for key, cfg in (("local", local), ("flower", flower))}
+        for part, what in (("algorithm", "global model and server state"), ("client_states", "client states")):
+            found = differences(ends["local"][part], ends["flower"][part], atol)
+            c.check(not found, "same answer on every engine",
+                    f"{what} after 2 rounds differ between local and flower: {'; '.join(found[:3])}")
+        found = differences(per_client_fields(local.out), per_client_fields(flower.out), atol)
+        c.check(not found, "same per-client numbers on every engine",
+                f"per-client evaluation fields differ between local and flower: {'; '.join(found[:3])}")
+        if resume:
+            found = run_differences(flower.out, resumed.out)
+            c.check(not found, "exact resume on flower", "cut after round 1 (same settings) and resumed differs "
+                    f"from the uninterrupted run: {'; '.join(found[:3])}")
+        if self.drops:
+            rows = [json.loads(line) for line in (Path(local.out) / "metrics.jsonl").read_text().splitlines()]
+            c.check(all(len(r["dropped"]) == 1 for r in rows), "drops", f"dropped per round: {[r['dropped'] for r in rows]}")
+            dropped = int(next(iter(rows[1]["dropped"])))
+            before = io.load_checkpoint(cut / "checkpoint.pt")["client_states"].get(dropped, {})
+            found = differences(before, ends["local"]["client_states"].get(dropped, {}), 0.0)
+            c.check(not found, "no state change for a dropped client",
+                    f"client {dropped}, dropped in round 2, changed its state: {'; '.join(found[:3])}")
