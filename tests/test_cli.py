@@ -20,6 +20,7 @@ def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fedlt.cli", "run", "--algo", "scala", "--split", "s2", "--rounds", "3", "--eval-every", "2",
+         "--local-iters", "1", "--server-batch", "80",  # SCALA's T = 5 of B = 320 cost 9 s a round on a CPU
          "--out", str(out), *[a for a in SMALL if a != "--quiet"]],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
@@ -27,7 +28,7 @@ def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     assert "final accuracy" in proc.stdout
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("round ")] == ["2/3", "3/3"]
     config = RunConfig.model_validate(json.loads((out / "config.json").read_text()))
-    assert config.algorithm == "scala" and config.split == "s2" and config.rounds == 3
+    assert config.algorithm == "scala" and config.split == "s2" and config.rounds == 3 and config.local_iters == 1
     manifest = json.loads((out / "partition.json").read_text())
     assert len(manifest["class_counts"]) == 10 and len(manifest["sha256"]) == 64
     # quantity skew alpha=2 (the default): at most 2 classes per client

@@ -30,6 +30,7 @@ from fedlt.engine import RunStopped, run
 from fedlt.errors import FedltError, first_line
 from fedlt.registry import Registry
 from fedlt.run.signals import TwoSignalStop
+from fedlt.start_method import main_not_rerun, process_context
 from fedlt.sweep import track
 from fedlt.sweep.net import reachable
 
@@ -204,9 +205,11 @@ def _worker_init() -> None:
 
 @EXECUTORS.register("local")
 class LocalExecutor:
-    """``jobs`` worker processes on this machine (default: one per core), started fresh
-    (``spawn``), each running one run at a time; no more runs are queued than there are workers,
-    so a stop leaves nothing half-started."""
+    """``jobs`` worker processes on this machine (default: one per core), started as fedlt starts
+    every process (fedlt.start_method: forked from a fork server that imported torch and fedlt
+    once — never a fork of this process, whose torch threads may run — where spawning each cost
+    a full import: 12 s for two workers on a busy 2-core machine), each running one run at a
+    time; no more runs are queued than there are workers, so a stop leaves nothing half-started."""
 
     def __init__(self, jobs: int | None = None) -> None:
         if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
@@ -219,12 +222,11 @@ class LocalExecutor:
         return max(cores() // self.jobs, 1)
 
     def run(self, jobs: list[Job], on_event: Event, workdir: Path) -> None:
-        import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
         from concurrent.futures.process import BrokenProcessPool
 
         pending = list(jobs)
-        context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's threads
+        context = process_context()
         while pending and not self._stopping:
             self._pool = ProcessPoolExecutor(max_workers=min(self.jobs, len(pending)), mp_context=context,
                                              initializer=_worker_init)
@@ -234,7 +236,8 @@ class LocalExecutor:
                 while (pending or running) and not broken:
                     while pending and len(running) < self.jobs and not self._stopping:
                         job = pending.pop(0)
-                        running[self._pool.submit(run_job, job)] = job
+                        with main_not_rerun():  # the pool starts its processes in submit
+                            running[self._pool.submit(run_job, job)] = job
                         on_event("started", job.id, None)
                     if not running:
                         break
