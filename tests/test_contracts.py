@@ -20,6 +20,7 @@ import fedlt.datasets
 import fedlt.losses
 import fedlt.models
 import fedlt.partitioners
+import cheap
 import fake_dataset_files
 from fedlt.algorithms.fedavg_family import FedAvgFamily
 from fedlt.losses import LossTerm
@@ -88,9 +89,11 @@ def test_every_dataset_passes_its_contract(name, tmp_path, monkeypatch):
         assert (len(data.y_train), len(data.y_test)) == (fake_dataset_files.N_TRAIN, fake_dataset_files.N_TEST)
 
 
-# CReFF's defaults (100 matching steps, 300 re-training epochs a round) scaled down to keep this fast
+# CReFF's defaults (100 matching steps, 300 re-training epochs a round) scaled down to keep this fast;
+# FedLoGe's and CCVR's published sizes too (tests/cheap.py: checked by their golden tests)
 ALGORITHM_EXAMPLES = {"creff": {"step": {"name": "creff", "match_epochs": 3, "retrain_epochs": 2,
-                                         "features_per_class": 8, "repeats": 2}}}
+                                         "features_per_class": 8, "repeats": 2}},
+                      "fedloge": cheap.params("fedloge"), "ccvr": cheap.params("ccvr")}
 
 
 @pytest.mark.parametrize("name", fedlt.algorithms.list())
