@@ -521,34 +521,18 @@ def test_long_or_deep_loss_expressions_are_one_line(tmp_path_factory, capsys, sh
 
 
 # -- signals ------------------------------------------------------------------------------------
-def test_a_second_ctrl_c_prints_one_line_saying_what_was_kept(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("count", [1, 2])
+def test_ctrl_c_once_finishes_the_round_twice_stops_at_once_each_in_one_line(tmp_path, capsys, monkeypatch, count):
+    """One SIGINT in round 1: the round finishes, is checkpointed (on Flower the signal test below
+    sends SIGTERM, which takes this path). Two in round 2: the run stops at once, round 1's
+    checkpoint is kept. Either way one line, exit 130, the lock released."""
     real = fedlt.engine.sample_clients
-
-    def interrupt_twice(num_clients, participation, seed, round_index):
-        if round_index == 1:
-            os.kill(os.getpid(), signal.SIGINT)  # the first asks to stop after the round
-            os.kill(os.getpid(), signal.SIGINT)  # the second stops at once
-        return real(num_clients, participation, seed, round_index)
-
-    monkeypatch.setattr(fedlt.run.parts, "sample_clients", interrupt_twice)
-    out = tmp_path / "run"
-    with pytest.raises(SystemExit) as info:
-        main(["run", *TINY, "--out", str(out)])
-    err = capsys.readouterr().err.strip()
-    assert info.value.code == 130 and len(err.splitlines()) == 1, err
-    assert f"last checkpoint (round 1) is kept in {out}" in err and "--resume" in err
-    assert io.load_checkpoint(out / "checkpoint.pt")["round"] == 1
-    assert not (out / rundir.LOCK_NAME).exists()
-
-
-def test_one_ctrl_c_finishes_the_round_and_prints_how_to_continue(tmp_path, capsys, monkeypatch):
-    """The single-SIGINT path of the CLI (on Flower the test below sends SIGTERM, which takes the
-    same path): the round in flight finishes, is checkpointed, one line, exit 130."""
-    real = fedlt.engine.sample_clients
+    interrupted = 0 if count == 1 else 1  # the round (from 0) during whose sampling the signals come
 
     def interrupt(num_clients, participation, seed, round_index):
-        if round_index == 0:
-            os.kill(os.getpid(), signal.SIGINT)
+        if round_index == interrupted:
+            for _ in range(count):  # the first asks to stop after the round, a second stops at once
+                os.kill(os.getpid(), signal.SIGINT)
         return real(num_clients, participation, seed, round_index)
 
     monkeypatch.setattr(fedlt.run.parts, "sample_clients", interrupt)
@@ -557,7 +541,9 @@ def test_one_ctrl_c_finishes_the_round_and_prints_how_to_continue(tmp_path, caps
         main(["run", *TINY, "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 130 and len(err.splitlines()) == 1, err
-    assert err == f"stopped after round 1 (signal {signal.SIGINT}); checkpoint saved; continue with: fedlt run --resume {out}"
+    assert err == (f"stopped after round 1 (signal {signal.SIGINT}); checkpoint saved; continue with: fedlt run "
+                   f"--resume {out}" if count == 1 else
+                   f"stopped at once; the last checkpoint (round 1) is kept in {out}; continue with: fedlt run --resume {out}")
     assert io.load_checkpoint(out / "checkpoint.pt")["round"] == 1
     assert not (out / rundir.LOCK_NAME).exists()
 
