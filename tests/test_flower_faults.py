@@ -92,7 +92,8 @@ def test_a_killed_node_a_stalled_node_and_a_killed_server_leave_the_run_as_if_th
     # round 2: after round 1's checkpoint the restarted node 1 is asked which partition it holds
     # and gets round 2's task in this run; as it arrives, the server dies mid-round
     wait_for("task of round 2 on the restarted node 1 and on node 0",
-             lambda: d.tasks_received(1) >= 2 and d.tasks_received(0) >= per_round + 1, BOOT_S + 2 * ROUND_TIMEOUT, story)
+             lambda: d.tasks_received(1) >= 2 and d.tasks_received(0) >= per_round + 1,
+             BOOT_S + 2 * ROUND_TIMEOUT, story)
     assert json.loads((out / "checkpoint.json").read_text())["round"] == 1
     if algorithm == "fedavg":  # the ServerApp's process; the SuperLink and the nodes live on
         server_apps = d.server_app_pids()

@@ -1,14 +1,14 @@
-"""A real deployment on loopback, secured (docs/flower.md, "Deployment: SuperLink and SuperNodes"):
-a SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode
-authentication (Flower's node keys, registered with ``flwr supernode register``). A SuperNode
-whose key was never registered is refused, one that trusts another CA cannot connect, one
-without TLS cannot either; the two registered nodes complete one round of FedAvg and one of
-SCALA through ``flwr run`` (both runs submitted at once) — the run directory complete, the metrics row sane — that end where
-the local engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in
-bounded time. The insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and
-``flwr run``) is started by tests/test_flower_faults.py, whose SCALA run loses nodes and its
-SuperLink. Every process is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with
-everything below it; every wait is bounded."""
+"""A real deployment on loopback, secured (docs/flower.md, "Deployment: SuperLink and SuperNodes"): a
+SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode authentication
+(Flower's node keys, registered with ``flwr supernode register``). A SuperNode whose key was never
+registered is refused, one that trusts another CA cannot connect, one without TLS cannot either; the
+two registered nodes complete one round of FedAvg and one of SCALA through ``flwr run`` (both runs
+submitted at once) — the run directory complete, the metrics row sane — that end where the local
+engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in bounded time. The
+insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and ``flwr run``) is
+started by tests/test_flower_faults.py, whose SCALA run loses nodes and its SuperLink. Every process
+is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with everything below it; every
+wait is bounded."""
 
 from __future__ import annotations
 
