@@ -87,7 +87,8 @@ class Deployment:
         home = root / "home"
         home.mkdir()
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_HOME": str(home),
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
+                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore",
+                    "OMP_NUM_THREADS": "1"}  # one torch thread per process: the 2-core machine is shared
         self.port = free_port()
         ca = str(keys / "ca.crt") if keys else None
         (home / "config.toml").write_text(connection_toml(federation, f"127.0.0.1:{self.port}", ca))
@@ -146,8 +147,15 @@ class Deployment:
 
     def tasks_received(self, partition: int) -> int:
         """Task messages the node has taken in (its log), whatever its process since a restart."""
+        return self._count(partition, "Receiving: train")
+
+    def replies_sent(self, partition: int) -> int:
+        """Replies to task messages the node has sent (its log), whatever its process since a restart."""
+        return self._count(partition, "Sending: train")
+
+    def _count(self, partition: int, words: str) -> int:
         log = self.logs.get(f"supernode{partition}")
-        return log.read_text().count("Receiving: train") if log and log.exists() else 0
+        return log.read_text().count(words) if log and log.exists() else 0
 
     def flwr_run(self, name: str, config: Path, resume: bool = False) -> subprocess.Popen:
         settings = f'config="{config}" node-wait=120' + (" resume=true" if resume else "")

@@ -1,14 +1,14 @@
-"""A real deployment on loopback, secured (docs/flower.md, "Deployment: SuperLink and SuperNodes"):
-a SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode
-authentication (Flower's node keys, registered with ``flwr supernode register``). A SuperNode
-whose key was never registered is refused, one that trusts another CA cannot connect, one
-without TLS cannot either; the two registered nodes complete one round of FedAvg and one of
-SCALA through ``flwr run`` — the run directory complete, the metrics row sane — that end where
-the local engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in
-bounded time. The insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and
-``flwr run``) is started by tests/test_flower_faults.py, whose SCALA run loses nodes and its
-SuperLink. Every process is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with
-everything below it; every wait is bounded."""
+"""A real deployment on loopback, secured (docs/flower.md, "Deployment: SuperLink and SuperNodes"): a
+SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode authentication
+(Flower's node keys, registered with ``flwr supernode register``). A SuperNode whose key was never
+registered is refused, one that trusts another CA cannot connect, one without TLS cannot either; the
+two registered nodes complete one round of FedAvg and one of SCALA through ``flwr run`` (both runs
+submitted at once) — the run directory complete, the metrics row sane — that end where the local
+engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in bounded time. The
+insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and ``flwr run``) is
+started by tests/test_flower_faults.py, whose SCALA run loses nodes and its SuperLink. Every process
+is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with everything below it; every
+wait is bounded."""
 
 from __future__ import annotations
 
@@ -118,8 +118,10 @@ def test_a_node_with_an_unknown_key_the_wrong_ca_or_no_tls_is_refused(secure):
     started = {}
     for case, (args, _) in INTRUDERS.items():  # all at once: each waits out Flower's bounded retries
         args = [str(secure.keys / a) if (secure.keys / a).is_file() else a for a in args]
+        # --isolation process: no SuperExec below it (a refused node has no task to run; its
+        # SuperExec's start, cut short by the refusal, held the node's exit up for ~15 s)
         started[case] = secure.start_node(0, *args, "--max-retries", "1", "--max-wait-time", "20",
-                                          name=f"intruder-{case.replace(' ', '-')}")
+                                          "--isolation", "process", name=f"intruder-{case.replace(' ', '-')}")
     for case, proc in started.items():
         code = proc.wait(timeout=120)
         log = secure.log(f"intruder-{case.replace(' ', '-')}")
@@ -128,19 +130,20 @@ def test_a_node_with_an_unknown_key_the_wrong_ca_or_no_tls_is_refused(secure):
 
 
 def test_an_authenticated_tls_federation_ends_where_the_local_engine_ends(secure):
-    root = secure.root
-    for algorithm, settings in CASES.items():
+    root, started = secure.root, {}
+    for algorithm, settings in CASES.items():  # both runs at once: the nodes take their messages in turn
         config = {**ROUND, **settings, "algorithm": algorithm}
+        (root / f"{algorithm}.json").write_text(json.dumps({**config, "out": str(root / f"deployed-{algorithm}")}))
+        started[algorithm] = (config, secure.flwr_run(f"run-{algorithm}", root / f"{algorithm}.json"))
+    for algorithm, (config, proc) in started.items():
+        local = RunConfig(**config, out=root / f"local-{algorithm}")
+        run(local)  # while the deployment works
         deployed = root / f"deployed-{algorithm}"
-        (root / f"{algorithm}.json").write_text(json.dumps({**config, "out": str(deployed)}))
-        proc = secure.flwr_run(f"run-{algorithm}", root / f"{algorithm}.json")
         assert proc.wait(timeout=600) == 0, secure.log(f"run-{algorithm}")[-3000:]
         assert sorted(p.name for p in deployed.iterdir()) == ["checkpoint.json", "checkpoint.pt", "config.json",
                                                               "metrics.jsonl", "partition.json", "partition.npz",
                                                               "summary.json"]
         assert json.loads((deployed / "summary.json").read_text())["rounds"] == 1
-        local = RunConfig(**config, out=root / f"local-{algorithm}")
-        run(local)
         ends = [io.load_checkpoint(d / "checkpoint.pt") for d in (Path(local.out), deployed)]
         for part in ("algorithm", "client_states"):
             found = differences(ends[0][part], ends[1][part], 1e-6)  # the engine contract's tolerance
