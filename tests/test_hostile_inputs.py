@@ -728,9 +728,16 @@ FLOWER_RUN = ["--algo", "fedavg", "--model", "mlp", "--partition", "iid", "--tra
               "--eval-every", "1", "--quiet", "--engine", "flower"]
 
 
+def handled() -> int:
+    """How many stop signals this process's handler has taken (the run's TwoSignalStop, while installed)."""
+    return getattr(getattr(signal.getsignal(signal.SIGINT), "__self__", None), "count", 0)
+
+
 class Signaller:
     """A thread that, once ``out`` holds a checkpoint beyond round ``after``, sends ``signals`` to
-    ``pid`` (50 ms apart), and meanwhile records the processes ``pid`` started."""
+    ``pid``, and meanwhile records the processes ``pid`` started. Sent to this process, each next
+    signal waits until the handler has taken the one before: two SIGINTs that arrive before
+    Python runs the handler are handled once (it keeps one flag a signal number, not a count)."""
 
     def __init__(self, pid: int, out: Path, signals: list[int], after: int = 0) -> None:
         import threading
@@ -753,9 +760,11 @@ class Signaller:
                 if supported():
                     self.seen.update(descendants(pid, before))
                 if checkpointed() > after:
-                    for sig in signals:
+                    for k, sig in enumerate(signals):
+                        taken = time.monotonic() + 10
+                        while pid == os.getpid() and k and handled() < k and time.monotonic() < taken:
+                            time.sleep(0.001)
                         os.kill(pid, sig)
-                        time.sleep(0.05)
                     self.sent = True
                 time.sleep(0.1)
 
@@ -786,7 +795,8 @@ def gone(processes: dict[int, int], seconds: float = 30) -> dict[int, int]:
 
 
 @pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
-def test_signals_on_the_flower_engine_behave_as_on_the_local_engine_and_leave_no_ray_process(tmp_path, capfd):
+def test_signals_on_the_flower_engine_behave_as_on_the_local_engine_and_leave_no_ray_process(tmp_path, capfd,
+                                                                                               monkeypatch):
     """First, in a process of its own, a run SIGKILLed once it has a checkpoint: nothing of its
     code runs, and its watchdog stops Ray's processes. Then in this process one run, signalled
     each time its checkpoint has moved on: SIGTERM (finish the round, checkpoint, exit 143: the
@@ -817,6 +827,13 @@ def test_signals_on_the_flower_engine_behave_as_on_the_local_engine_and_leave_no
         # other survivor fails the test
         survivors = {pid: name for pid in gone(killer.seen) if not agent(name := command(pid))}
         assert survivors == {}, f"the SIGKILLed run's processes are still alive: {survivors}"
+        real = fedlt.engine.sample_clients
+
+        def slow(*args, **kwargs):  # in the loop's thread (this process): a round lasts while the signals land
+            time.sleep(0.5)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fedlt.run.parts, "sample_clients", slow)
         done = 0
         for name, sigs in [("sigterm", [signal.SIGTERM]), ("sigint twice", [signal.SIGINT, signal.SIGINT])]:
             sender = Signaller(os.getpid(), out, sigs, after=done)
