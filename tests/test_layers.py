@@ -7,7 +7,9 @@ fedlt module it names (``from fedlt.losses import base`` is an edge to ``fedlt.l
 ``from fedlt.losses import register`` one to ``fedlt.losses``). An edge from a module to its own
 parent package (a component module importing its package's registry, which the package's
 ``__init__`` defines before importing its members) is left out, as import-linter does for a
-package's own children; every other edge counts.
+package's own children; every other edge counts. Such an import inside a function still fails the
+no-import-inside-a-function rule: the registry is defined before the package imports its members, so
+the top of the module can import it (a lazy one only hides that).
 
 Asserted: no cycle among fedlt's modules; no edge from a lower layer to a higher one (``LAYERS``
 below; a new module must be placed in it, and a new upward import fails here); the two
@@ -80,6 +82,9 @@ def _target(name: str) -> str | None:
     return name
 
 
+PARENT_LAZY: list[str] = []  # imports of a module's own package inside a function (left out of GRAPH)
+
+
 def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
     """(imported fedlt module, line, inside a function) for every import statement of ``module``."""
     tree = ast.parse(path.read_text(), str(path))
@@ -102,6 +107,8 @@ def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
                 target = _target(name) if name.startswith("fedlt") else None
                 if target and target != module and not module.startswith(target + "."):
                     found.append((target, child.lineno, in_function))
+                elif target and target != module and in_function:  # its own package, inside a function:
+                    PARENT_LAZY.append(f"{module} line {child.lineno} imports {target}")  # a circle in disguise
             visit(child, inner)
 
     visit(tree, False)
@@ -175,6 +182,7 @@ def test_no_import_circle():
 def test_no_fedlt_import_inside_a_function():
     lazy = [f"{m} line {line} imports {t}" for m, edges in GRAPH.items() for t, line, inside in edges
             if inside and layer(m) < LAYERS["fedlt.cli"] and m not in LAZY_ALLOWED]
+    lazy += [line for line in PARENT_LAZY if not line.startswith("fedlt.cli") and line.split()[0] not in LAZY_ALLOWED]
     assert lazy == []
 
 

@@ -22,6 +22,7 @@ import torch
 
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
+from fedlt.losses import REGISTRY  # defined before fedlt.losses imports this module
 from fedlt.spec import ast_depth as _depth
 from fedlt.spec import shown as _shown
 from fedlt.losses.base import SETUP_KEYS, Composite, LossTerm, compose, describe_params
@@ -195,8 +196,6 @@ def validate(expr: str | LossTerm) -> list[tuple[float, str, dict[str, Any]]]:
 
 def create_term(name: str, params: dict[str, Any], setup: dict[str, Any]) -> LossTerm:
     """Create registered ``name`` with ``params`` plus the setup values its signature accepts."""
-    from fedlt.losses import REGISTRY
-
     factory = REGISTRY.get(name)  # UnknownNameError (a FedltError) lists the valid names
     if getattr(factory, "loss_term", True) is False:
         terms = [n for n in REGISTRY.list() if getattr(REGISTRY.get(n), "loss_term", True)]

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field, field_serializer, field_validator
 
 from fedlt.errors import FedltError
-from fedlt.partitioners import register
+from fedlt.partitioners import REGISTRY, register  # defined before fedlt.partitioners imports this module
 from fedlt.partitioners.base import Partitioner
 from fedlt.registry import create_from_spec
 
@@ -209,8 +209,6 @@ class LongTail(Partitioner):
             spec = {"name": spec}
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ValueError("must name a partitioner and its parameters, e.g. {'name': 'dirichlet', 'beta': 0.5}")
-        from fedlt.partitioners import REGISTRY
-
         inner = create_from_spec(REGISTRY, spec, "then")
         if not isinstance(inner, Partitioner):
             raise ValueError(f"{spec['name']!r} is not a Partitioner model and cannot follow longtail")
