@@ -88,9 +88,6 @@ class ClientTest(SpecModel):
 
     name: ClassVar[str] = "client_test"
 
-    def describe(self) -> str:
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.params().items())})"
-
     def __call__(self, partition: Partition, y_train: Any, y_test: Any, seed: int) -> ClientTestSets:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 

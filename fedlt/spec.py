@@ -250,3 +250,7 @@ class SpecModel(BaseModel):
 
     def params(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def describe(self) -> str:
+        """The component as a spec: ``name(key=value, ...)``."""
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.params().items())})"

@@ -381,10 +381,6 @@ class Partitioner(SpecModel):
         (``longtail``) override it; the others ignore them."""
         return self.assign(y, num_clients, num_classes, rng)
 
-    def describe(self) -> str:
-        params = ", ".join(f"{k}={v}" for k, v in self.params().items())
-        return f"{self.name}({params})"
-
     def __call__(self, labels: Any, num_clients: int, seed: int, *, num_classes: int | None = None,
                  dataset_name: str = "unknown", groups: Any = None) -> Partition:
         y, num_classes = as_labels(labels, num_classes)
