@@ -2,11 +2,13 @@
 SuperLink serving TLS with certificates made here by a throwaway CA, and SuperNode authentication
 (Flower's node keys, registered with ``flwr supernode register``). A SuperNode whose key was never
 registered is refused, one that trusts another CA cannot connect, one without TLS cannot either; the
-two registered nodes complete one round of FedAvg and one of SCALA through ``flwr run`` (both runs
-submitted at once) — the run directory complete, the metrics row sane — that end where the local
-engine ends; ``flwr run`` against a SuperLink nobody serves is a clear error in bounded time. The
-insecure deployment (``--insecure``, the same SuperLink, SuperNodes, app and ``flwr run``) is
-started by tests/test_flower_faults.py, whose SCALA run loses nodes and its SuperLink. Every process
+two registered nodes complete one round of FedAvg through ``flwr run`` — the run directory complete,
+the metrics row sane — that ends where the local engine ends; ``flwr run`` against a SuperLink nobody
+serves is a clear error in bounded time. The insecure deployment (``--insecure``, the same SuperLink,
+SuperNodes, app and ``flwr run``) is started by tests/test_flower_faults.py, whose SCALA run loses
+nodes and its SuperLink and ends where the local engine ends. TLS and authentication wrap every
+message alike, whatever it carries, so each kind of algorithm crosses a deployment once in the suite:
+FedAvg (one message a client a round) here, SCALA's exchange (T + 1 messages a round) there. Every process
 is started on 127.0.0.1 (tests/loopback.py) and stopped by its pid with everything below it; every
 wait is bounded."""
 
@@ -37,7 +39,7 @@ from loopback import BIN, Deployment, free_port  # noqa: E402  (tests/loopback.p
 
 ROUND = {"clients": 2, "participation": 1.0, "rounds": 1, "train_limit": 200, "test_limit": 50, "server_batch": 16,
          "local_iters": 1, "eval_every": 1, "partition": {"name": "dirichlet", "beta": 0.5, "min_size": 5}}
-CASES = {"fedavg": {"model": "mlp"}, "scala": {"model": "alexnet", "split": "s2"}}
+FEDAVG = {"algorithm": "fedavg", "model": "mlp"}
 NODES = ("node0", "node1")
 pytestmark = pytest.mark.xdist_group("loopback")  # one deployment at a time (tests/conftest.py)
 
@@ -130,27 +132,23 @@ def test_a_node_with_an_unknown_key_the_wrong_ca_or_no_tls_is_refused(secure):
 
 
 def test_an_authenticated_tls_federation_ends_where_the_local_engine_ends(secure):
-    root, started = secure.root, {}
-    for algorithm, settings in CASES.items():  # both runs at once: the nodes take their messages in turn
-        config = {**ROUND, **settings, "algorithm": algorithm}
-        (root / f"{algorithm}.json").write_text(json.dumps({**config, "out": str(root / f"deployed-{algorithm}")}))
-        started[algorithm] = (config, secure.flwr_run(f"run-{algorithm}", root / f"{algorithm}.json"))
-    for algorithm, (config, proc) in started.items():
-        local = RunConfig(**config, out=root / f"local-{algorithm}")
-        run(local)  # while the deployment works
-        deployed = root / f"deployed-{algorithm}"
-        assert proc.wait(timeout=600) == 0, secure.log(f"run-{algorithm}")[-3000:]
-        assert sorted(p.name for p in deployed.iterdir()) == ["checkpoint.json", "checkpoint.pt", "config.json",
-                                                              "metrics.jsonl", "partition.json", "partition.npz",
-                                                              "summary.json"]
-        assert json.loads((deployed / "summary.json").read_text())["rounds"] == 1
-        ends = [io.load_checkpoint(d / "checkpoint.pt") for d in (Path(local.out), deployed)]
-        for part in ("algorithm", "client_states"):
-            found = differences(ends[0][part], ends[1][part], 1e-6)  # the engine contract's tolerance
-            assert not found, f"{algorithm}: {part} differs between local and the deployment: {found[:3]}"
-        rows = [json.loads(line) for line in (deployed / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [1] and rows[0]["participants"] == 2
-        assert 0.0 <= rows[0]["accuracy"] <= 1.0 and rows[0]["train_loss"] > 0
+    root, config = secure.root, {**ROUND, **FEDAVG}
+    deployed, local = root / "deployed", RunConfig(**config, out=root / "local")
+    (root / "run.json").write_text(json.dumps({**config, "out": str(deployed)}))
+    proc = secure.flwr_run("run", root / "run.json")
+    run(local)  # while the deployment works
+    assert proc.wait(timeout=600) == 0, secure.log("run")[-3000:]
+    assert sorted(p.name for p in deployed.iterdir()) == ["checkpoint.json", "checkpoint.pt", "config.json",
+                                                          "metrics.jsonl", "partition.json", "partition.npz",
+                                                          "summary.json"]
+    assert json.loads((deployed / "summary.json").read_text())["rounds"] == 1
+    ends = [io.load_checkpoint(d / "checkpoint.pt") for d in (Path(local.out), deployed)]
+    for part in ("algorithm", "client_states"):
+        found = differences(ends[0][part], ends[1][part], 1e-6)  # the engine contract's tolerance
+        assert not found, f"{part} differs between local and the deployment: {found[:3]}"
+    rows = [json.loads(line) for line in (deployed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1] and rows[0]["participants"] == 2
+    assert 0.0 <= rows[0]["accuracy"] <= 1.0 and rows[0]["train_loss"] > 0
 
 
 def test_an_unreachable_superlink_is_a_clear_error_in_bounded_time(tmp_path):
