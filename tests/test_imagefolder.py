@@ -205,7 +205,7 @@ def test_the_flower_client_app_slices_its_partition_from_the_files(tree):
     """A node's client data is the same files (nothing decoded crosses), decoding to the engine's tensors."""
     import types
 
-    from fedlt.flower.client_app import client_data
+    from fedlt.flower.client_work import client_data
 
     root, _ = tree
     data = fedlt.datasets.load("imagefolder(image_size=16)", root=root)

@@ -1,14 +1,8 @@
-"""The ClientApp: one fedlt client per SuperNode, its data from the run's partition file.
+"""The ClientApp: one fedlt client per SuperNode (docs/flower.md).
 
 A node serves the partition ``partition-id`` of its node config (Flower's simulation assigns
-0..N-1; a real SuperNode is started with ``--node-config "partition-id=3"``), read from
-``partition-file`` in its node config, else from the path the ServerApp sends (the run
-directory's ``partition.npz``: the same file when server and nodes share a disk). It builds its
-dataset and model from the run's configuration (sent with every message, ~1 kB) and caches them
-for the life of the process.
-
-Message types (the server side chose one by what the algorithm asked its runner for, never by
-the algorithm's class):
+0..N-1; a real SuperNode is started with ``--node-config "partition-id=3"``). Message types (the
+server side chose one by what the algorithm asked its runner for, never by the algorithm's class):
 - ``query.partition``: which partition this node holds.
 - ``train``: one-call client work (the algorithm's ``client_work`` on the received task).
 - ``train.step``: one exchange of a split-learning session (the algorithm's ``open_session``).
@@ -21,50 +15,28 @@ the algorithm's class):
   client's test set (``client_test``) and training data from its own parts and answers with the
   ClientScores (fedlt.algorithms.personal.evaluate_client).
 
-Both run the client in its own random stream (``fedlt.algorithms.protocol``), as the local engine.
+On a SuperNode every message is a ``flwr-clientapp`` process of its own that imports this module.
+The partition query needs nothing but the node config, so the client work (torch, the run's
+parts: ``fedlt.flower.client_work``) is imported by the first message that trains or evaluates:
+the query is answered in about a second instead of after a torch and fedlt start (~5 s of CPU;
+3 to 4 times that on a busy machine), and every run asks each node once.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from types import ModuleType
 
-import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlt.algorithms.base import ClientData
-from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession
-from fedlt.errors import FedltError
-from fedlt.flower import codec
-from fedlt.run import parts
-
 app = ClientApp()
 
-_PREPARED: dict[tuple[str, str], Any] = {}  # (config, partition file) -> the run's parts; a cache, no state
 
+def work() -> ModuleType:
+    """``fedlt.flower.client_work``, imported on first use (see the module docstring)."""
+    from fedlt.flower import client_work
 
-def prepared(run: ConfigRecord, context: Context):
-    """The run's dataset, partition and algorithm (built as the server built them: same seeds)."""
-    path = str(context.node_config.get("partition-file", run["partition"]))
-    key = (str(run["config"]), path)
-    if key not in _PREPARED:
-        prep = parts.rebuild(str(run["config"]), Path(path))
-        _PREPARED.clear()  # one run at a time per process
-        _PREPARED[key] = prep
-    return _PREPARED[key]
-
-
-def client_data(prep, cid: int, context: Context) -> ClientData:
-    held = int(context.node_config.get("partition-id", -1))
-    if cid != held:
-        raise FedltError(f"a task for client {cid} reached the node holding partition {held}")
-    return parts.client_data(prep, cid, torch.device(prep.config.device))
-
-
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
-    return one_call("evaluate", message, context)
+    return client_work
 
 
 @app.query("partition")
@@ -73,55 +45,16 @@ def partition(message: Message, context: Context) -> Message:
                    reply_to=message)
 
 
-def one_call(job: str, message: Message, context: Context) -> Message:
-    """One-call work of kind ``job`` (fedlt.algorithms.protocol.CLIENT_CALLS) on the received task;
-    the server side's ``FlowerRunner.each`` sends it as the message type ``MESSAGE_TYPES[job]``."""
-    content = message.content
-    prep = prepared(content["run"], context)
-    task = parts.with_held(prep, codec.value(content, prep.config.device), client_data(prep, _cid(content), context))
-    result = CLIENT_CALLS[job](prep.algorithm, task)
-    return Message(codec.content(result, f"result of client {task.cid}"), reply_to=message)
-
-
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    return one_call("work", message, context)
+    return work().one_call("work", message, context)
 
 
-def _cid(content: RecordDict) -> int:
-    return int(content["client"]["cid"])
-
-
-OPEN = ("arrays", "tree", "client")  # the records of the open task, kept on the node for the round
-SESSION = ("session.arrays", "session.tree")
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    return work().one_call("evaluate", message, context)
 
 
 @app.train("step")
 def step(message: Message, context: Context) -> Message:
-    content, kept = message.content, context.state
-    prep = prepared(content["run"], context)
-    opening = "tree" in content
-    if opening:
-        for key in OPEN:
-            kept[f"fedlt.{key}"] = content[key]
-    elif "fedlt.tree" not in kept:
-        raise FedltError("a split-learning step reached a node with no open session")
-    opened = RecordDict({key: kept[f"fedlt.{key}"] for key in OPEN})
-    device = prep.config.device
-    task = codec.task_from(opened, client_data(prep, _cid(opened), context), device)
-    session = SeededSession(prep.algorithm, task)
-    if not opening:
-        session.load_state_dict(codec.value(RecordDict({k.partition(".")[2]: kept[f"fedlt.{k}"] for k in SESSION}),
-                                            device))
-    order = content["step"]
-    if not opening:
-        grad = codec.value(RecordDict({"arrays": content["grad.arrays"], "tree": content["grad.tree"]}), device)
-        session.backward(grad)
-    if order["finish"]:
-        for key in (*OPEN, *SESSION):
-            del kept[f"fedlt.{key}"]
-        return Message(codec.content(session.finish(), f"result of client {task.cid}"), reply_to=message)
-    reply = codec.content(session.forward(), f"upload of client {task.cid}")
-    for key, record in codec.records(session.state_dict(), f"session of client {task.cid}").items():
-        kept[f"fedlt.session.{key}"] = record
-    return Message(reply, reply_to=message)
+    return work().step(message, context)
