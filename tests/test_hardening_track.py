@@ -103,8 +103,9 @@ def test_a_store_that_cannot_be_used_is_one_line_and_leaves_no_study(tmp_path, b
     assert all(w in err for w in words), err
 
 
-def test_a_server_that_never_answers_is_refused_within_the_timeout(tmp_path, base, capsys, silent_server):
+def test_a_server_that_never_answers_is_refused_within_the_timeout(tmp_path, base, capsys, silent_server, monkeypatch):
     pytest.importorskip("mlflow")
+    monkeypatch.setattr(track, "TIMEOUT", 2.0)  # the check reads it when it runs; 10 s of waiting proves no more
     study = tmp_path / "s"
     started = time.monotonic()
     err = refused(["sweep", "--base", str(base), "--out", str(study), "--quiet", "--track", "mlflow",

@@ -90,7 +90,7 @@ PARENT_LAZY: list[str] = []  # imports of a module's own package inside a functi
 
 def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
     """(imported fedlt module, line, inside a function) for every import statement of ``module``."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = TREES[module]
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found: list[tuple[str, int, bool]] = []
 
@@ -118,6 +118,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
     return found
 
 
+TREES = {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}  # parsed once, for every check
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
 
 
@@ -194,7 +195,7 @@ def test_no_function_over_80_lines():
     for module, path in MODULES.items():
         if layer(module) >= LAYERS["fedlt.cli"]:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(TREES[module]):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
