@@ -157,7 +157,7 @@ def test_iteration_schedule_draws_without_replacement_then_reshuffles():
 @pytest.mark.parametrize("name", fedlt.algorithms.list())
 def test_every_registered_algorithm_runs_two_rounds_on_mnist(name, tmp_path):
     config = RunConfig(algorithm=name, algorithm_params=cheap.params(name),  # tests/cheap.py
-                       rounds=2, eval_every=1, clients=6, participation=0.5, train_limit=600, test_limit=200,
+                       rounds=2, eval_every=1, clients=4, participation=0.5, train_limit=600, test_limit=100,
                        local_iters=1, server_batch=32, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5},
                        out=tmp_path / name)  # the default model (AlexNet) at the least cost that runs every step
     summary = run(config)
