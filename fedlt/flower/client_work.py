@@ -63,6 +63,9 @@ SESSION = ("session.arrays", "session.tree")
 
 
 def step(message: Message, context: Context) -> Message:
+    """One exchange of a split-learning session (``train.step``, fedlt.flower.client_app): open it
+    from the task, or restore it from ``context.state`` and apply the received gradient; then the
+    next upload, or the result when ``finish`` is set."""
     content, kept = message.content, context.state
     prep = prepared(content["run"], context)
     opening = "tree" in content
