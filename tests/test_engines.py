@@ -70,9 +70,13 @@ def simulation(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("engines")
     installed = fedlt.algorithms.list()
     grouped = ("scala", {"server": {"name": "grouped", "size": 2}})
+    # `every` evaluates after round 2 only (eval_every=2: ~0.5 s less a case on Flower, ~0.2 s
+    # locally): its per-client fields are compared at round 2, and its resume, cut after round 1,
+    # covers them. Evaluating between rounds is still checked on both engines by `stateful`
+    # (eval_every=1) and on Flower by the run extended by a resume (its round 1 is a last round)
     every = EngineCheck([*cheap.cases(installed), grouped],  # tests/cheap.py
-                        root / "every", drops=True, resume=True, clients=4, train_limit=300)
-    stateful = EngineCheck(STATEFUL, root / "stateful", resume=False)
+                        root / "every", drops=True, resume=True, clients=4, train_limit=300, eval_every=2)
+    stateful = EngineCheck(STATEFUL, root / "stateful", resume=False, eval_every=1)
     fedgrab = case_runs(every, "fedgrab")[1]
     extended = [Job(fedgrab.model_copy(update={"rounds": 1, "out": root / "extended"})),
                 Job(fedgrab.model_copy(update={"out": root / "extended"}), resume=True)]
@@ -99,7 +103,8 @@ def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_droppe
     mid-exchange), a dropped client's state does not change, and for EVERY installed algorithm
     (the registry's, plugins included: nothing listed by hand) the Flower run's directory as a
     kill after round 1 leaves it, resumed with the same settings, ends where the uninterrupted
-    run does. Kept cheap: 4 clients (2 sampled a round), 300 samples, the MLP."""
+    run does. Kept cheap: 4 clients (2 sampled a round), 300 samples, the MLP, the evaluations
+    (the global model's and each client's) after round 2 only."""
     assert {"example_fedcm", "example_feddc"} <= set(simulation.installed)  # the plugin's algorithms are among them
     assert simulation.grouped in [(name, params) for name, params, _ in simulation.every.cases]
     simulation.every.verify()
@@ -108,7 +113,9 @@ def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_droppe
 @pytest.mark.xdist_group("ray")
 def test_stateful_parts_and_random_draws_give_one_answer_on_every_engine(simulation):
     """Without drops: a stateful aggregator (a built-in's, a plugin's), a stateful loss evaluated
-    on SCALA's server, a plugin's split server side, torch's generator drawn in client work."""
+    on SCALA's server, a plugin's split server side, torch's generator drawn in client work; the
+    global model and each client evaluated after each round (an evaluation between rounds leaves
+    round 2 as it was on either engine)."""
     simulation.stateful.verify()
 
 
@@ -206,8 +213,10 @@ def test_the_flower_runner_makes_one_exchange_per_call_and_t_plus_one_per_split_
 def test_client_state_travels_and_resume_continues_exactly(simulation):
     """`every`'s FedGraB run (dropped clients) as 1 round extended to 2 by a resume — another path
     than the contract's cut-and-resume with the same rounds — ends as the uninterrupted 2-round
-    run: the model, the client states, the last round's metrics bit for bit; SGB's per-client state
-    came back from every client that returned a result (and travels again)."""
+    run: the model, the client states, the last round's metrics bit for bit (the 1-round run
+    evaluated after its round 1, the whole run did not: an evaluation between rounds on Flower
+    changes nothing); SGB's per-client state came back from every client that returned a result
+    (and travels again)."""
     flower = own_runs(simulation, "fedgrab")[1]
     whole = io.load_checkpoint(Path(flower.out) / "checkpoint.pt")
     extended = io.load_checkpoint(simulation.root / "extended" / "checkpoint.pt")
