@@ -207,11 +207,13 @@ def _report(out: Path) -> dict:
     return json.loads(render_study(manifest, cells, "json"))
 
 
-def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_uninterrupted_table(tmp_path):
+def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_uninterrupted_table(tmp_path, capsys):
     """2 algorithms × 2 partitions × 3 seeds with --jobs 2: SIGTERM stops every worker after its
     round (exit 130, checkpoints kept), SIGKILL of the whole process group half-way leaves what it
     leaves; the rerun skips finished runs, resumes the others and gives the same table (and the
-    same metrics, timing aside) as a study never interrupted."""
+    same metrics, timing aside) as a study never interrupted. The two studies signalled run as
+    ``fedlt sweep`` processes; the rerun and the uninterrupted study run in this process (the same
+    command: no interpreter and fedlt import to start for them)."""
     path = study_file(tmp_path, 'algorithm = ["fedavg", "fedlc"]\npartition = ["iid", "dirichlet(beta=0.5)"]',
                       seeds="[0, 1, 2]")
     killed, clean = tmp_path / "killed", tmp_path / "clean"
@@ -234,13 +236,10 @@ def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_un
     time.sleep(0.5)  # the workers die with the coordinator (PR_SET_PDEATHSIG)
     assert _done(killed) < 12
 
-    rerun = _sweep(path, killed)
-    out, err = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, err
-    assert "12 runs: 12 done" in out
-    uninterrupted = _sweep(path, clean)
-    out, err = uninterrupted.communicate(timeout=600)
-    assert uninterrupted.returncode == 0, err
+    capsys.readouterr()
+    assert cli("sweep", str(path), "--out", str(killed), "--jobs", "2", "--threads", "1") == 0
+    assert "12 runs: 12 done" in capsys.readouterr().out
+    assert cli("sweep", str(path), "--out", str(clean), "--jobs", "2", "--threads", "1") == 0
 
     assert _report(killed) == _report(clean)
     for run_dir in sorted((clean / "runs").iterdir()):
