@@ -52,7 +52,8 @@ OWN = {"fedavg": ("every", "fedavg", {}), "fedgrab": ("every", "fedgrab", {}), "
        "fedadam": ("stateful", "fedavg", {"aggregator": "fedadam"})}
 
 
-def case_runs(check: EngineCheck, name: str, params: dict | None = None) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
+def case_runs(check: EngineCheck, name: str, params: dict | None = None
+              ) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
     """``check``'s runs (local, flower, resumed, local cut) of the case ``name`` with ``params``
     and no settings of its own."""
     for (case, case_params, own), runs in zip(check.cases, check.runs):
@@ -86,9 +87,9 @@ def simulation(tmp_path_factory, one_thread):
     run(adam.model_copy(update={"algorithm_params": {}, "out": root / "fedavg-local"}))
     jobs = [*every.jobs, *stateful.jobs, *extended]
     outcomes = simulate(jobs)
+    exchanges = {(Path(j.config.out), j.resume): o["exchanges"] for j, o in zip(jobs, outcomes)}  # in job order
     return SimpleNamespace(installed=installed, every=every, stateful=stateful, root=root, grouped=grouped,
-                           exchanges={Path(j.config.out): o["exchanges"] for j, o in zip(jobs, outcomes) if not j.resume},
-                           resumed_exchanges={Path(j.config.out): o["exchanges"] for j, o in zip(jobs, outcomes) if j.resume})
+                           exchanges=exchanges)
 
 
 def own_runs(simulation, case: str) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
@@ -201,12 +202,13 @@ def test_the_flower_runner_makes_one_exchange_per_call_and_t_plus_one_per_split_
     ride on the next forward; the participant left keeps the exchange going), plus the per-client
     evaluations (FedAvg: global_local = personal, finetune; SCALA's AlexNet: global_local = personal,
     no fine-tune); the run resumed after round 1 makes round 2's only."""
-    for name, eval_runs in (("fedavg", 2), ("scala", 1)):
+    for name, modes in (("fedavg", ["global_local", "personal", "finetune"]), ("scala", ["global_local", "personal"])):
         _, flower, resumed, _ = case_runs(simulation.every, name)
-        per_round = flower.local_iters + 1 if name == "scala" else 1
-        assert flower.client_eval_modes() and flower.model == ("alexnet" if name == "scala" else "mlp")
-        assert simulation.exchanges[Path(flower.out)] == expected_exchanges(flower, per_round, eval_runs, [1, 2]), name
-        assert simulation.resumed_exchanges[Path(resumed.out)] == expected_exchanges(flower, per_round, eval_runs, [2]), name
+        assert [m["name"] for m in flower.client_eval_modes()] == modes, name
+        per_round, eval_runs = flower.local_iters + 1 if name == "scala" else 1, len(modes) - 1  # personal = global_local
+        whole, cut = simulation.exchanges[Path(flower.out), False], simulation.exchanges[Path(resumed.out), True]
+        assert whole == expected_exchanges(flower, per_round, eval_runs, [1, 2]), name
+        assert cut == expected_exchanges(flower, per_round, eval_runs, [2]), name
 
 
 @pytest.mark.xdist_group("ray")
