@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -39,45 +40,61 @@ DROPOUT = {"model": "tiny_cnn(width=4, dropout=0.5)"}  # the example plugin's mo
 STATEFUL = [("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Adam's moments)
             ("fedavg", {"aggregator": "lookahead"}),  # a plugin's stateful aggregator
             ("scala", {"client_loss": "fedgrab"}),  # a stateful loss evaluated on the server, kept per client
-            ("scala", {"server": {"name": "grouped", "size": 2}}),  # a plugin's split server side
+            # a plugin's split server side with 3 participants: 2 server forwards an iteration, one of
+            # a partial group (`every` has this case too, but with 2 participants: one group)
+            ("scala", {"server": {"name": "grouped", "size": 2}}),
             ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT)]  # torch's generator drawn in client work
 
-# Flower's own runs beside the local engine's (test_the_run_directory_...): the FedAvg family, a
-# server optimiser, a stateful client loss, SCALA's per-iteration exchange; a run extended by a resume
-COMMON = dict(clients=3, participation=1.0, rounds=2, train_limit=600, test_limit=200, server_batch=48,
-              local_iters=2, eval_every=1, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
-CASES = {
-    "fedavg": dict(algorithm="fedavg"),
-    "fedgrab": dict(algorithm="fedgrab"),  # SGB state persists on each client across rounds
-    "fedadam": dict(algorithm="fedavg", algorithm_params={"aggregator": "fedadam"}),
-    "scala": dict(algorithm="scala"),  # T exchanges per round
-}
+# the runs the tests below read beside the contract's verdict: the FedAvg family, a server
+# optimiser, a stateful client loss (SGB's state persists on each client), SCALA's per-iteration
+# exchange; ("fedadam" is STATEFUL's FedAdam, the others are `every`'s cases, with dropped clients)
+OWN = {"fedavg": ("every", "fedavg", {}), "fedgrab": ("every", "fedgrab", {}), "scala": ("every", "scala", {}),
+       "fedadam": ("stateful", "fedavg", {"aggregator": "fedadam"})}
 
 
-def config(case: str, out, **changes) -> RunConfig:
-    return RunConfig(**{**COMMON, **CASES[case], **changes, "out": out})
+def case_runs(check: EngineCheck, name: str, params: dict | None = None
+              ) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
+    """``check``'s runs (local, flower, resumed, local cut) of the case ``name`` with ``params``
+    and no settings of its own."""
+    for (case, case_params, own), runs in zip(check.cases, check.runs):
+        if case == name and case_params == (params or {}) and not own:
+            return runs
+    raise LookupError(f"no case {name} {params} in the check")
 
 
 @pytest.fixture(scope="module")
 def simulation(tmp_path_factory, one_thread):
     """Every Flower run of this module in ONE simulation: Ray and its client actors start once,
-    which was most of each check's time (fedlt.testing.engines.EngineCheck)."""
+    which was most of each check's time (fedlt.testing.engines.EngineCheck). Besides the checks'
+    runs: `every`'s FedGraB run as 1 round extended to 2 by a resume (2 Flower jobs), and STATEFUL's
+    FedAdam run with plain FedAvg on the local engine."""
     root = tmp_path_factory.mktemp("engines")
     installed = fedlt.algorithms.list()
-    every = EngineCheck([*cheap.cases(installed), ("scala", {"server": {"name": "grouped", "size": 2}})],  # tests/cheap.py
-                        root / "every", drops=True, resume=True, clients=4, train_limit=300)
-    stateful = EngineCheck(STATEFUL, root / "stateful", resume=False)
-    runs = root / "runs"
-    own = [Job(config(case, runs / f"{case}-flower", engine="flower")) for case in CASES]
-    own += [Job(config("fedgrab", runs / "resumed", engine="flower", rounds=1)),
-            Job(config("fedgrab", runs / "resumed", engine="flower"), resume=True)]
+    grouped = ("scala", {"server": {"name": "grouped", "size": 2}})
+    # `every` evaluates after round 2 only (eval_every=2: ~0.5 s less a case on Flower, ~0.2 s
+    # locally): its per-client fields are compared at round 2, and its resume, cut after round 1,
+    # covers them. Evaluating between rounds is still checked on both engines by `stateful`
+    # (eval_every=1) and on Flower by the run extended by a resume (its round 1 is a last round)
+    every = EngineCheck([*cheap.cases(installed), grouped],  # tests/cheap.py
+                        root / "every", drops=True, resume=True, clients=4, train_limit=300, eval_every=2)
+    stateful = EngineCheck(STATEFUL, root / "stateful", resume=False, eval_every=1)
+    fedgrab = case_runs(every, "fedgrab")[1]
+    extended = [Job(fedgrab.model_copy(update={"rounds": 1, "out": root / "extended"})),
+                Job(fedgrab.model_copy(update={"out": root / "extended"}), resume=True)]
     for check in (every, stateful):
         check.run_local()
-    for case in CASES:
-        run(config(case, runs / f"{case}-local"))
-    outcomes = simulate([*every.jobs, *stateful.jobs, *own])
-    return SimpleNamespace(installed=installed, every=every, stateful=stateful, runs=runs,
-                           outcomes=outcomes[len(every.jobs) + len(stateful.jobs):])
+    adam = case_runs(stateful, "fedavg", {"aggregator": "fedadam"})[0]
+    run(adam.model_copy(update={"algorithm_params": {}, "out": root / "fedavg-local"}))
+    jobs = [*every.jobs, *stateful.jobs, *extended]
+    outcomes = simulate(jobs)
+    exchanges = {(Path(j.config.out), j.resume): o["exchanges"] for j, o in zip(jobs, outcomes)}  # in job order
+    return SimpleNamespace(installed=installed, every=every, stateful=stateful, root=root, grouped=grouped,
+                           exchanges=exchanges)
+
+
+def own_runs(simulation, case: str) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
+    check, name, params = OWN[case]
+    return case_runs(getattr(simulation, check), name, params)
 
 
 @pytest.mark.xdist_group("ray")  # one Ray at a time (tests/conftest.py)
@@ -87,15 +104,19 @@ def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_droppe
     mid-exchange), a dropped client's state does not change, and for EVERY installed algorithm
     (the registry's, plugins included: nothing listed by hand) the Flower run's directory as a
     kill after round 1 leaves it, resumed with the same settings, ends where the uninterrupted
-    run does. Kept cheap: 4 clients (2 sampled a round), 300 samples, the MLP."""
+    run does. Kept cheap: 4 clients (2 sampled a round), 300 samples, the MLP, the evaluations
+    (the global model's and each client's) after round 2 only."""
     assert {"example_fedcm", "example_feddc"} <= set(simulation.installed)  # the plugin's algorithms are among them
+    assert simulation.grouped in [(name, params) for name, params, _ in simulation.every.cases]
     simulation.every.verify()
 
 
 @pytest.mark.xdist_group("ray")
 def test_stateful_parts_and_random_draws_give_one_answer_on_every_engine(simulation):
     """Without drops: a stateful aggregator (a built-in's, a plugin's), a stateful loss evaluated
-    on SCALA's server, a plugin's split server side, torch's generator drawn in client work."""
+    on SCALA's server, a plugin's split server side, torch's generator drawn in client work; the
+    global model and each client evaluated after each round (an evaluation between rounds leaves
+    round 2 as it was on either engine)."""
     simulation.stateful.verify()
 
 
@@ -117,13 +138,20 @@ def test_the_engine_check_fails_when_flower_ends_elsewhere(one_thread, tmp_path)
 
 
 def model_of(run_dir) -> dict[str, torch.Tensor]:
-    return io.load_checkpoint(run_dir / "checkpoint.pt")["algorithm"]["model"]
+    return io.load_checkpoint(Path(run_dir) / "checkpoint.pt")["algorithm"]["model"]
+
+
+def rows_of(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.xdist_group("ray")
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(OWN))
 def test_flower_and_local_engines_train_the_same_global_model(simulation, case):
-    flower, local = model_of(simulation.runs / f"{case}-flower"), model_of(simulation.runs / f"{case}-local")
+    """The global model of the contract's runs without its relative tolerance: every weight
+    within 1e-6 (the contract allows 1e-6 + 1e-5·|value|)."""
+    local, flower, *_ = own_runs(simulation, case)
+    flower, local = model_of(flower.out), model_of(local.out)
     assert flower.keys() == local.keys()
     for name in local:
         torch.testing.assert_close(flower[name], local[name], rtol=0, atol=1e-6, msg=f"{case}: {name}")
@@ -131,41 +159,75 @@ def test_flower_and_local_engines_train_the_same_global_model(simulation, case):
 
 @pytest.mark.xdist_group("ray")
 def test_the_comparison_can_tell_runs_apart(simulation):
-    """FedAvg and FedAdam from the same start differ by far more than the tolerance."""
-    a, b = model_of(simulation.runs / "fedavg-flower"), model_of(simulation.runs / "fedadam-flower")
-    assert max(float((a[n] - b[n]).abs().max()) for n in a if a[n].is_floating_point()) > 1e-3
+    """FedAvg and FedAdam from the same start (STATEFUL's settings) differ by far more than the
+    tolerance: FedAdam's run on either engine against FedAvg's on the local engine."""
+    fedavg = model_of(simulation.root / "fedavg-local")
+    for adam in own_runs(simulation, "fedadam")[:2]:
+        b = model_of(adam.out)
+        assert max(float((fedavg[n] - b[n]).abs().max()) for n in fedavg if fedavg[n].is_floating_point()) > 1e-3
 
 
 @pytest.mark.xdist_group("ray")
 def test_the_run_directory_is_the_same_as_the_local_engines(simulation):
-    root, outcomes = simulation.runs, simulation.outcomes
-    for case in CASES:
-        flower, local = root / f"{case}-flower", root / f"{case}-local"
-        # and Flower's and Ray's log lines, kept off the terminal (fedlt.flower.simulation)
-        assert sorted(p.name for p in flower.iterdir()) == sorted([*(p.name for p in local.iterdir()), "flower.log"])
-        assert (flower / "partition.npz").read_bytes() == (local / "partition.npz").read_bytes()
-        rows = [json.loads(line) for line in (flower / "metrics.jsonl").read_text().splitlines()]
-        local_rows = [json.loads(line) for line in (local / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [1, 2] and rows[0].keys() == local_rows[0].keys()
-        for r, l in zip(rows, local_rows):
-            assert r["accuracy"] == l["accuracy"] and abs(r["loss"] - l["loss"]) < 1e-5
-        assert json.loads((flower / "config.json").read_text())["engine"] == "flower"
-    # exchanges (one message per participant each): 1 per round for FedAvg, T + 1 per round for
-    # SCALA (gradients ride on the next forward)
-    assert outcomes[0]["exchanges"] == 2
-    assert outcomes[3]["exchanges"] == 2 * (COMMON["local_iters"] + 1)
+    """For every case of both checks: the Flower run's directory holds the local run's files and
+    flower.log, the same partition bytes, metrics rows with the same fields, the same accuracy
+    and a loss within 1e-5 in each round, and its config names the Flower engine."""
+    for check in (simulation.every, simulation.stateful):
+        for (name, params, _), (local, flower, *_) in zip(check.cases, check.runs):
+            label, flower, local = f"{name}{params}", Path(flower.out), Path(local.out)
+            # and Flower's and Ray's log lines, kept off the terminal (fedlt.flower.simulation)
+            assert sorted(p.name for p in flower.iterdir()) == sorted([*(p.name for p in local.iterdir()), "flower.log"]), label
+            assert (flower / "partition.npz").read_bytes() == (local / "partition.npz").read_bytes(), label
+            rows, local_rows = rows_of(flower), rows_of(local)
+            assert [r["round"] for r in rows] == [1, 2] and [r.keys() for r in rows] == [r.keys() for r in local_rows], label
+            for r, l in zip(rows, local_rows):
+                if "accuracy" in l:
+                    assert r["accuracy"] == l["accuracy"] and abs(r["loss"] - l["loss"]) < 1e-5, label
+            assert "accuracy" in rows[-1], label
+            assert json.loads((flower / "config.json").read_text())["engine"] == "flower", label
+
+
+def expected_exchanges(config: RunConfig, per_round: int, eval_runs: int, trained: list[int]) -> int:
+    """One message per participant each: ``per_round`` for each trained round, and for each
+    evaluated one (every ``eval_every``-th and the last), one per per-client evaluation that runs
+    (``personal`` of an algorithm with no personal model is ``global_local``'s: evaluated once)."""
+    evaluated = [r for r in trained if r % config.eval_every == 0 or r == config.rounds]
+    return per_round * len(trained) + eval_runs * len(evaluated)
+
+
+@pytest.mark.xdist_group("ray")
+def test_the_flower_runner_makes_one_exchange_per_call_and_t_plus_one_per_split_round(simulation):
+    """Message round trips (one message per participant each) of `every`'s Flower runs, one
+    sampled client dropped each round: 1 a round for FedAvg, T + 1 a round for SCALA (gradients
+    ride on the next forward; the participant left keeps the exchange going), plus the per-client
+    evaluations (FedAvg: global_local = personal, finetune; SCALA's AlexNet: global_local = personal,
+    no fine-tune); the run resumed after round 1 makes round 2's only."""
+    for name, modes in (("fedavg", ["global_local", "personal", "finetune"]), ("scala", ["global_local", "personal"])):
+        _, flower, resumed, _ = case_runs(simulation.every, name)
+        assert [m["name"] for m in flower.client_eval_modes()] == modes, name
+        per_round, eval_runs = flower.local_iters + 1 if name == "scala" else 1, len(modes) - 1  # personal = global_local
+        whole, cut = simulation.exchanges[Path(flower.out), False], simulation.exchanges[Path(resumed.out), True]
+        assert whole == expected_exchanges(flower, per_round, eval_runs, [1, 2]), name
+        assert cut == expected_exchanges(flower, per_round, eval_runs, [2]), name
 
 
 @pytest.mark.xdist_group("ray")
 def test_client_state_travels_and_resume_continues_exactly(simulation):
-    """A run of 1 round extended to 2 by a resume ends as the 2-round run (SGB's per-client state
-    came back from every node and travels again)."""
-    whole = io.load_checkpoint(simulation.runs / "fedgrab-flower" / "checkpoint.pt")
-    resumed = io.load_checkpoint(simulation.runs / "resumed" / "checkpoint.pt")
-    assert sorted(whole["client_states"]) == [0, 1, 2]  # SGB's state came back from every node
-    for name, tensor in whole["algorithm"]["model"].items():
-        assert torch.equal(resumed["algorithm"]["model"][name], tensor), name
-    assert [r["accuracy"] for r in resumed["metrics"]] == [r["accuracy"] for r in whole["metrics"]]
+    """`every`'s FedGraB run (dropped clients) as 1 round extended to 2 by a resume — another path
+    than the contract's cut-and-resume with the same rounds — ends as the uninterrupted 2-round
+    run: the model, the client states, the last round's metrics bit for bit (the 1-round run
+    evaluated after its round 1, the whole run did not: an evaluation between rounds on Flower
+    changes nothing); SGB's per-client state came back from every client that returned a result
+    (and travels again)."""
+    flower = own_runs(simulation, "fedgrab")[1]
+    whole = io.load_checkpoint(Path(flower.out) / "checkpoint.pt")
+    extended = io.load_checkpoint(simulation.root / "extended" / "checkpoint.pt")
+    returned = sorted({cid for row in whole["metrics"] for cid in row["returned"]})
+    assert returned and sorted(whole["client_states"]) == returned, returned
+    for part in ("algorithm", "client_states"):
+        assert not differences(extended[part], whole[part], 0.0), part
+    last = [{k: v for k, v in rows[-1].items() if not k.endswith("_s")} for rows in (whole["metrics"], extended["metrics"])]
+    assert last[0] == last[1]
 
 
 class ReversedRunner(LocalRunner):

@@ -9,6 +9,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -201,27 +202,53 @@ def _wait_until(proc: subprocess.Popen, out: Path, done: int, timeout: float = 2
     assert proc.poll() is None, f"the sweep ended before {done} runs were done: {proc.communicate()}"
 
 
+def _sweep_stopped_by_sigterm(path: Path, out: Path, capsys, done: int) -> int:
+    """``fedlt sweep PATH --out OUT --jobs 2`` in this process, sent SIGTERM once ``done`` runs
+    are done: its exit code. A SIGTERM that came after the sweep (its handler put back) would land
+    in a recording handler here, never in pytest's default one (it would kill the test process)."""
+    late: list[int] = []
+    finished = threading.Event()
+
+    def stop_when_done() -> None:
+        while not finished.is_set():
+            if _done(out) >= done:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, by the sweep's handler
+                return
+            time.sleep(0.05)
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+    watcher = threading.Thread(target=stop_when_done, daemon=True)
+    capsys.readouterr()
+    try:
+        watcher.start()
+        code = cli("sweep", str(path), "--out", str(out), "--jobs", "2", "--threads", "1")
+    finally:
+        finished.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert not late, "SIGTERM came after the sweep had ended"
+    return code
+
+
 def _report(out: Path) -> dict:
     manifest, cells, problems = load_study(out)
     assert not problems
     return json.loads(render_study(manifest, cells, "json"))
 
 
-def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_uninterrupted_table(tmp_path):
+def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_uninterrupted_table(tmp_path, capsys):
     """2 algorithms × 2 partitions × 3 seeds with --jobs 2: SIGTERM stops every worker after its
     round (exit 130, checkpoints kept), SIGKILL of the whole process group half-way leaves what it
     leaves; the rerun skips finished runs, resumes the others and gives the same table (and the
-    same metrics, timing aside) as a study never interrupted."""
+    same metrics, timing aside) as a study never interrupted. The study SIGKILLed runs as a
+    ``fedlt sweep`` process group; the others run the same command in this process (no
+    interpreter and fedlt import to start for them), SIGTERM sent to this process."""
     path = study_file(tmp_path, 'algorithm = ["fedavg", "fedlc"]\npartition = ["iid", "dirichlet(beta=0.5)"]',
                       seeds="[0, 1, 2]")
     killed, clean = tmp_path / "killed", tmp_path / "clean"
 
-    proc = _sweep(path, killed)
-    _wait_until(proc, killed, 2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "continue with: fedlt sweep" in err
+    assert _sweep_stopped_by_sigterm(path, killed, capsys, done=2) == 130
+    assert "continue with: fedlt sweep" in capsys.readouterr().err
     statuses = {r["status"] for r in read_manifest(killed)["runs"]}
     assert "running" not in statuses and statuses <= {"done", "stopped", "pending"}
     stopped_at = _done(killed)
@@ -234,13 +261,10 @@ def test_a_study_stopped_by_sigterm_then_sigkilled_finishes_on_rerun_with_the_un
     time.sleep(0.5)  # the workers die with the coordinator (PR_SET_PDEATHSIG)
     assert _done(killed) < 12
 
-    rerun = _sweep(path, killed)
-    out, err = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, err
-    assert "12 runs: 12 done" in out
-    uninterrupted = _sweep(path, clean)
-    out, err = uninterrupted.communicate(timeout=600)
-    assert uninterrupted.returncode == 0, err
+    capsys.readouterr()
+    assert cli("sweep", str(path), "--out", str(killed), "--jobs", "2", "--threads", "1") == 0
+    assert "12 runs: 12 done" in capsys.readouterr().out
+    assert cli("sweep", str(path), "--out", str(clean), "--jobs", "2", "--threads", "1") == 0
 
     assert _report(killed) == _report(clean)
     for run_dir in sorted((clean / "runs").iterdir()):
