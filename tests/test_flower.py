@@ -1,4 +1,5 @@
-"""The Flower engine's boundaries that need no simulation: Flower missing, SuperNodes missing.
+"""The Flower engine's boundaries that need no simulation: Flower missing, SuperNodes missing, the
+ClientApp's partition query answered without torch.
 (Its runs against the local engine are in tests/test_engines.py, which shares one simulation
 among every Flower run of the suite's engine checks.)"""
 
@@ -64,3 +65,32 @@ def test_missing_supernodes_are_a_clear_error_after_a_bounded_wait(tmp_path, mon
                                   poll_cap=0.05).nodes()
     assert clock.slept[:4] == pytest.approx([0.01, 0.02, 0.04, 0.05]) and max(clock.slept) == pytest.approx(0.05)
     assert sum(clock.slept) == pytest.approx(1.0)
+
+
+
+# in a fresh process: the partition query answered by fedlt's ClientApp handler, then what it loaded
+QUERY_PROBE = """
+import sys
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+import fedlt.flower.client_app as client_app
+
+for field in ("_task_id", "_run_id", "_node_id"):  # what a ClientApp process has, to create messages
+    setattr(TaskIdentity, field, 1)
+query = Message(RecordDict(), dst_node_id=1, message_type="query.partition")
+context = Context(run_id=1, node_id=1, node_config={"partition-id": 3}, state=RecordDict(), run_config={})
+reply = client_app.partition(query, context)
+print(reply.content["node"]["partition_id"], sorted(m for m in ("torch", "fedlt.run", "fedlt.flower.client_work")
+                                                     if m in sys.modules))
+"""
+
+
+def test_the_client_app_answers_the_partition_query_without_loading_torch():
+    """A SuperNode starts a process per message: the query each node answers once a run must not
+    pay a torch and fedlt start (fedlt.flower.client_app loads its client work on first use)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", QUERY_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().split(maxsplit=1) == ["3", "[]"], done.stdout
