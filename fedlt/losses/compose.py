@@ -15,7 +15,6 @@ import ast
 import inspect
 import math
 import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
