@@ -105,20 +105,20 @@ def save_checkpoint(path: Path, state: dict) -> None:
     _atomic(Path(path), lambda f: torch.save(state, f))
 
 
-def _refusal(path: Path, exc: BaseException) -> FedltError:
-    """Why torch would not load ``path``, in fedlt's words: torch's own text suggests loading with
+def refusal(path: Path, exc: BaseException, what: str = "checkpoint") -> FedltError:
+    """Why torch would not load ``path`` (a fedlt ``what``), in fedlt's words: torch's own text suggests loading with
     ``weights_only=False``, exactly what an untrusted file must never get, so none of it is relayed."""
     text = str(exc)
     wanted = re.search(r"GLOBAL ([\w.]+)", text)
     if wanted:
-        return FedltError(f"{path} is refused: it asks to import {wanted.group(1)}, and a fedlt checkpoint holds only "
+        return FedltError(f"{path} is refused: it asks to import {wanted.group(1)}, and a fedlt {what} holds only "
                           "tensors and plain data (loading it could run code)")
     if isinstance(exc, pickle.UnpicklingError):
-        return FedltError(f"{path} is refused: it holds pickle instructions a fedlt checkpoint never contains "
+        return FedltError(f"{path} is refused: it holds pickle instructions a fedlt {what} never contains "
                           "(tampered with, or not written by fedlt)")
     if isinstance(exc, EOFError) or "central directory" in text or "zip archive" in text:
-        return FedltError(f"{path} is not a valid fedlt checkpoint: it is empty or truncated")
-    return FedltError(f"{path} is not a valid fedlt checkpoint: unreadable as one ({type(exc).__name__}; "
+        return FedltError(f"{path} is not a valid fedlt {what}: it is empty or truncated")
+    return FedltError(f"{path} is not a valid fedlt {what}: unreadable as one ({type(exc).__name__}; "
                       "truncated, tampered with, or not written by fedlt)")
 
 
@@ -151,7 +151,7 @@ def load_checkpoint(path: Path) -> dict:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # tampered, truncated or foreign
-        raise _refusal(path, exc) from None
+        raise refusal(path, exc) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise FedltError(f"{path} is not a fedlt checkpoint (expected format {CHECKPOINT_FORMAT!r})")
     for key, kind in CHECKPOINT_KEYS.items():

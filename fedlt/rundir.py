@@ -27,7 +27,6 @@ import errno
 import fcntl
 import os
 import re
-import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -40,6 +39,10 @@ LOCK_NAME = ".fedlt.lock"
 RUN_FILES = ("config.json", "partition.json", "partition.npz", "metrics.jsonl", "checkpoint.pt",
              "checkpoint.json", "summary.json", "flower.log")
 STATE_DIR = "client_states"  # the client-state store's files, when it keeps them on disk (fedlt.algorithms.client_states)
+# the store's list of the files it wrote there and has not removed: the only ones it, or a discarded
+# run, ever deletes (the folder may be a link to a folder on another disk, holding other files)
+STATE_JOURNAL = "written.txt"
+STATE_FILE = re.compile(r"^(\d+)-(\d+)\.pt$")  # <cid>-<generation>.pt
 # what fedlt.io._atomic and Partition.save name their temporary files: ".<target>.<random>.tmp"
 _LEFTOVER = re.compile(r"^\.(?:%s)\.[^/]+\.tmp$" % "|".join(re.escape(n) for n in RUN_FILES))
 
@@ -157,8 +160,26 @@ def discard_unstarted(out: Path) -> None:
         return
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / STATE_DIR, ignore_errors=True)  # only the store writes there
+    folder = out / STATE_DIR
+    for name in journaled(folder):
+        (folder / name).unlink(missing_ok=True)
+        (folder / f".{name}.tmp").unlink(missing_ok=True)
+    (folder / STATE_JOURNAL).unlink(missing_ok=True)
+    if not folder.is_symlink():  # a link the user made (to another disk) stays, with what it holds
+        try:
+            folder.rmdir()
+        except OSError:  # absent, or holding files the store did not write
+            pass
     remove_leftovers(out)
+
+
+def journaled(folder: Path) -> list[str]:
+    """The client-state files the store's journal in ``folder`` lists (names of its own form only)."""
+    try:
+        lines = (Path(folder) / STATE_JOURNAL).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return sorted({line for line in lines if STATE_FILE.match(line)})
 
 
 def _holder(lock: Path) -> str:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedlt.algorithms.client_states as client_states
-from fedlt import io
+from fedlt import io, rundir
 from fedlt.algorithms.protocol import ClientStates
 from fedlt.cli import main
 from fedlt.config import RunConfig
@@ -45,7 +45,8 @@ def same(a: dict, b: dict) -> bool:
 
 
 def state_files(folder: Path) -> set[str]:
-    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    """The state files in ``folder`` (beside them, the store's journal)."""
+    return {p.name for p in folder.iterdir() if rundir.STATE_FILE.match(p.name)} if folder.is_dir() else set()
 
 
 @settings(max_examples=40, deadline=None)

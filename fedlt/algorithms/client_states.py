@@ -21,6 +21,14 @@ for its client and its own generation is <= G — files written after that check
 rounds, a resumed run's redo) are never touched, and ``discard_uncommitted`` removes what a
 crashed run wrote after its last checkpoint before a resume writes anything.
 
+The store deletes only files it wrote: each name goes into its journal (``written.txt``) before
+the file exists, and the clean-ups remove journaled or manifest-named files only — never a file
+merely named like one (the folder may be a link to another disk holding other files), and a new
+file never replaces one it did not write. It trusts nothing it reads: a file must match the sha256
+its manifest records, unpickle as plain tensors (``weights_only``) and, once the engine has given
+the store the algorithm's ``template`` (the state one round gives a client), have its structure,
+shapes and dtypes; anything else is one line naming the file and what differs.
+
 May import: the bottom layer.
 """
 
@@ -30,8 +38,8 @@ import hashlib
 import io as bytes_io
 import os
 import re
-import tempfile
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +47,10 @@ from typing import Any
 
 import torch
 
-from fedlt import io
+from fedlt import io, rundir
 from fedlt.errors import FedltError
 
 FILES_FORMAT = "fedlt-client-state-files-1"  # a state_dict() in the files mode: the manifest below
-_STATE_FILE = re.compile(r"^(\d+)-(\d+)\.pt$")
-_TEMPORARY = re.compile(r"^\..+\.tmp$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -61,6 +67,46 @@ def state_bytes(value: Any) -> int:
 
 def file_name(cid: int, generation: int) -> str:
     return f"{cid}-{generation:08d}.pt"
+
+
+def _parse(name: str) -> tuple[int, int]:
+    cid, generation = rundir.STATE_FILE.match(name).groups()
+    return int(cid), int(generation)
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:40]
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def difference(template: Any, state: Any, where: str = "state") -> str | None:
+    """How ``state`` departs from ``template`` (the first difference, in words), or None when it has
+    the template's structure (the same keys at every level), tensor shapes and dtypes."""
+    if isinstance(template, dict):
+        if not isinstance(state, dict):
+            return f"{where} is {_described(state)}, not a mapping"
+        extra, missing = [k for k in state if k not in template], [k for k in template if k not in state]
+        if extra:
+            return f"{where} holds {_shown(extra[0])}, which this algorithm's client state does not have"
+        if missing:
+            return f"{where} lacks {_shown(missing[0])}"
+        return next((d for k in template if (d := difference(template[k], state[k], f"{where}[{_shown(k)}]"))), None)
+    if isinstance(template, (list, tuple)):
+        if not isinstance(state, (list, tuple)) or len(state) != len(template):
+            return f"{where} is {_described(state)}, not a sequence of {len(template)}"
+        return next((d for i, (t, v) in enumerate(zip(template, state))
+                     if (d := difference(t, v, f"{where}[{i}]"))), None)
+    if isinstance(template, torch.Tensor):
+        if (not isinstance(state, torch.Tensor) or state.layout != torch.strided or state.dtype != template.dtype
+                or state.shape != template.shape):
+            return f"{where} is {_described(state)}, this algorithm's is {_described(template)}"
+        return None
+    return None if type(state) is type(template) else f"{where} is {_described(state)}, this algorithm's is {_described(template)}"
 
 
 class ClientStates:
@@ -82,6 +128,8 @@ class ClientStates:
         self._cache_bytes = 0
         self._generation = 0  # the last generation written (only grows)
         self._unsynced: set[str] = set()
+        self._owned: set[str] = set()  # the files of this store on disk: written (journaled) or named by a manifest
+        self.template: dict[str, Any] | None = None  # the structure a state must have (``expect``)
         self.on_disk = False
 
     @property
@@ -131,6 +179,18 @@ class ClientStates:
             self._cache.clear()
             self._cache_bytes = 0
 
+    def expect(self, template: dict[str, Any], where: Path | str) -> None:
+        """From now on every state read must have ``template``'s structure, shapes and dtypes (the
+        state the algorithm gives a client); the states held in memory are checked at once, each
+        file when it is read (FedltError naming ``where`` or the file, and what differs)."""
+        with self._lock:
+            self.template = template
+            for cid in sorted(self._memory):
+                found = difference(template, self._memory[cid])
+                if found:
+                    raise FedltError(f"{where} holds a state for client {cid} that this run's algorithm cannot "
+                                     f"have produced: {found} (resume with the settings that wrote it, or start a new run)")
+
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict[Any, Any]:
         """Memory mode: ``{cid: state}``. Files mode: the manifest naming each client's file
@@ -152,6 +212,7 @@ class ClientStates:
                     raise FedltError("the client states are in files, but this store has no directory for them")
                 self._memory, self._memory_bytes, self.on_disk = {}, 0, True
                 self._files = files
+                self._owned |= {file_name(cid, entry[0]) for cid, entry in files.items()}
                 self._generation = max(self._generation, int(state["generation"]))
                 return
             states = {int(k): v for k, v in state.items() if v}
@@ -178,16 +239,21 @@ class ClientStates:
 
     def collect(self, committed: dict[Any, Any]) -> None:
         """After a checkpoint holding ``committed`` (a ``state_dict()``) is on disk: remove the
-        files it superseded (generation <= its generation, not the one it names for the client)."""
+        files it superseded (generation <= its generation, not the one it names for the client) —
+        among the store's own, never by a listing of the folder."""
         if committed.get("format") != FILES_FORMAT:
             return  # the next manifest collects them; a resume discards them
-        kept, last = committed["files"], int(committed["generation"])
+        last = int(committed["generation"])
         with self._lock:
-            for path, cid, generation in self._state_files():
-                named = kept.get(cid, (None,))[0], self._files.get(cid, (None,))[0]
-                if generation <= last and generation not in named:
-                    path.unlink(missing_ok=True)
-                    self._unsynced.discard(path.name)
+            named = {file_name(cid, entry[0]) for files in (committed["files"], self._files)
+                     for cid, entry in files.items()}
+            superseded = sorted(n for n in self._owned if _parse(n)[1] <= last and n not in named)
+            for name in superseded:
+                (self.directory / name).unlink(missing_ok=True)
+                self._owned.discard(name)
+                self._unsynced.discard(name)
+            if superseded:
+                self._write_journal()
 
     def check(self, where: Path) -> None:
         """Every file the manifest names is there, at its size (FedltError, one line, otherwise).
@@ -203,26 +269,42 @@ class ClientStates:
                                  "exactly without it (restore the file, or start a new run)")
 
     def discard_uncommitted(self) -> None:
-        """Remove the files the store does not name (what a killed run wrote after its last
-        checkpoint) and the temporaries of interrupted writes; before a resumed run writes."""
+        """Remove the files the store wrote but does not name (what a killed run wrote after its
+        last checkpoint, or superseded before it could collect them) and the temporaries of its
+        interrupted writes; before a resumed run writes. Files it did not write stay."""
         if self.directory is None or not self.directory.is_dir():
             return
         with self._lock:
-            for path in self.directory.iterdir():
-                if _TEMPORARY.match(path.name):
-                    path.unlink(missing_ok=True)
-            for path, cid, generation in self._state_files():
-                if not self.on_disk or self._files.get(cid, (None,))[0] != generation:
-                    path.unlink(missing_ok=True)
+            named = {file_name(cid, entry[0]) for cid, entry in self._files.items()} if self.on_disk else set()
+            for name in rundir.journaled(self.directory):
+                (self.directory / f".{name}.tmp").unlink(missing_ok=True)
+                if name not in named:
+                    (self.directory / name).unlink(missing_ok=True)
+            self._owned = set(named)
+            self._write_journal()
 
     # -- files --------------------------------------------------------------------------------------
-    def _state_files(self) -> Iterator[tuple[Path, int, int]]:
-        if self.directory is None or not self.directory.is_dir():
+    def _write_journal(self) -> None:
+        """The journal as the files the store owns now (in place: a kill that tears it loses names,
+        so at worst files stay behind; it never makes the store delete a file it did not write)."""
+        path = self.directory / rundir.STATE_JOURNAL
+        if not self._owned and not path.exists():
             return
-        for path in sorted(self.directory.iterdir()):
-            match = _STATE_FILE.match(path.name)
-            if match:
-                yield path, int(match.group(1)), int(match.group(2))
+        path.write_text("".join(f"{name}\n" for name in sorted(self._owned)), encoding="utf-8")
+
+    def _journal(self, name: str) -> None:
+        with open(self.directory / rundir.STATE_JOURNAL, "a", encoding="utf-8") as journal:
+            journal.write(f"{name}\n")
+        self._owned.add(name)
+
+    def _next_name(self, cid: int) -> str:
+        """The next generation's file name for ``cid``, skipping names already taken by files the
+        store did not write (a new file never replaces one)."""
+        while True:
+            self._generation += 1
+            name = file_name(cid, self._generation)
+            if not any(os.path.lexists(self.directory / n) for n in (name, f".{name}.tmp")):
+                return name
 
     def _spill(self) -> None:
         """From memory to files, for good: the states passed the budget."""
@@ -235,17 +317,17 @@ class ClientStates:
         buffer = bytes_io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getbuffer()
-        self._generation += 1
-        name = file_name(cid, self._generation)
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
+        name = self._next_name(cid)
+        self._journal(name)  # before the file exists: a kill leaves no file the journal does not name
+        tmp = self.directory / f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), io._FILE_MODE)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.chmod(tmp, io._FILE_MODE)
             os.replace(tmp, self.directory / name)  # fsynced by sync(), before a checkpoint names it
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         self._files[cid] = [self._generation, hashlib.sha256(data).hexdigest(), len(data)]
         self._unsynced.add(name)
@@ -261,7 +343,19 @@ class ClientStates:
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
             raise FedltError(f"the state of client {cid} in {path} is damaged: its sha256 is not the one recorded "
                              "when it was written (restore the file, or start a new run)")
-        return torch.load(bytes_io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            with warnings.catch_warnings():  # torch warns about foreign pickles; the refusal says it all
+                warnings.simplefilter("ignore")
+                state = torch.load(bytes_io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # weights_only refuses any object but tensors and plain containers
+            raise FedltError(f"the state of client {cid}: {io.refusal(path, exc, 'client-state file')}; restore "
+                             "the file, or start a new run") from None
+        found = difference(self.template, state) if self.template is not None else (
+            None if isinstance(state, dict) else f"state is {_described(state)}, not a mapping")
+        if found:
+            raise FedltError(f"the state of client {cid} in {path} is not one this run's algorithm writes: {found} "
+                             "(restore the file, or start a new run)")
+        return state
 
     def _remember(self, cid: int, state: dict[str, Any]) -> None:
         size = state_bytes(state)

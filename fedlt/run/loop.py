@@ -237,6 +237,8 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     checkpoint = out / "checkpoint.pt"
     if resume and checkpoint.exists():
         state = restore(prep, io.load_checkpoint(checkpoint), checkpoint, config, fingerprint)
+        if len(state.client_states):  # states read back must be ones this algorithm can have written
+            state.client_states.expect(parts.client_state_template(prep, max(state.round - 1, 0)), checkpoint)
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
     state.client_states.discard_uncommitted()  # and the client-state files written after the checkpoint
     io.write_json(out / "config.json", config.model_dump(mode="json"))

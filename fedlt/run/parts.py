@@ -10,6 +10,7 @@ May import: the bottom layer, the components, the algorithms and fedlt.config.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -242,3 +243,21 @@ def train_round(algorithm: Any, ctx: RunContext, round_index: int, participants:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(round_seed(ctx.sampling_seed, round_index))
         return algorithm.train_round(round_ctx, participants, states, runner or LocalRunner())
+
+
+def client_state_template(prep: Prepared, round_index: int) -> dict[str, Any]:
+    """A client's state as this run's algorithm produces it: the state round ``round_index`` gives
+    the smallest client with two samples or more, trained in this process, the algorithm's own
+    state put back afterwards. The store refuses a state read back (a checkpoint's, a file's) whose
+    structure, shapes or dtypes differ (fedlt.algorithms.client_states.difference)."""
+    sizes = [len(i) for i in prep.train_indices]
+    cid = min((c for c, n in enumerate(sizes) if n >= 2), key=sizes.__getitem__, default=int(np.argmax(sizes)))
+    algorithm = prep.algorithm
+    kept = copy.deepcopy(algorithm.state_dict())
+    states = ClientStates()
+    try:
+        train_round(algorithm, prep.ctx, round_index, [client_data(prep, cid, torch.device(prep.config.device))],
+                    states)
+    finally:
+        algorithm.load_state_dict(kept)
+    return states.get(cid)
