@@ -18,7 +18,8 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (a test runs it in the suite) and
-writes ``device_check_dry_run.json``. Nothing is downloaded: MNIST ships inside the package and
+writes ``device_check_dry_run.json`` into a new temporary folder (``--out`` names the file), never
+into the source tree. Nothing is downloaded: MNIST ships inside the package and
 the script imports fedlt from this checkout when it is not installed.
 """
 
@@ -219,12 +220,20 @@ SECTIONS = {"doctor": doctor, "kernels": kernels, "fused_vs_eager": fused_vs_eag
             "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16}
 
 
+def results_path(dry_run: bool) -> Path:
+    """Where the results go without ``--out``: a dry run's (a test, a rehearsal) never into the source tree."""
+    if dry_run:
+        return Path(tempfile.mkdtemp(prefix="fedlt-device-check-")) / "device_check_dry_run.json"
+    return RESULTS / "device_check.json"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     parser.add_argument("--dry-run", action="store_true", help="the same code on the CPU at tiny sizes")
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
-    parser.add_argument("--out", type=Path, default=None, help="JSON file (default under benchmarks/results/)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default: benchmarks/results/device_check.json; "
+                        "with --dry-run, a new temporary folder's)")
     args = parser.parse_args(argv)
     if not args.dry_run:
         os.environ["TRITON_INTERPRET"] = "0"  # the real kernels, compiled for the device
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device(args.device or ("cpu" if args.dry_run else "cuda"))
     sizes = DRY if args.dry_run else FULL
-    path = args.out or RESULTS / ("device_check_dry_run.json" if args.dry_run else "device_check.json")
+    path = args.out or results_path(args.dry_run)
     result = {"device": str(device), "dry_run": args.dry_run, "torch": torch.__version__,
               "python": platform.python_version(), "cpus": os.cpu_count(), "sections": {}}
     began = time.perf_counter()

@@ -14,7 +14,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as typer_click
 from pydantic import ValidationError
 
-from fedlt.errors import FedltError, describe, first_line
+from fedlt.errors import FedltError, describe, first_line, terminal_safe
 from fedlt.registry import PluginWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under label skew.")
@@ -69,19 +69,19 @@ def _main(argv: list[str] | None) -> None:
         print(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(0)
     except (click.UsageError, typer_click.UsageError) as exc:
-        print(f"error: {exc.format_message()}".replace("\n", " "), file=sys.stderr)
+        print(terminal_safe(f"error: {exc.format_message()}".replace("\n", " ")), file=sys.stderr)
         sys.exit(2)
     except ValidationError as exc:
-        print(f"error: {describe(exc)}", file=sys.stderr)
+        print(terminal_safe(f"error: {describe(exc)}"), file=sys.stderr)
         sys.exit(2)
     except FedltError as exc:  # the user's input: 2; a process fedlt started that died (ProcessLost): 1
-        print(f"error: {first_line(exc)}", file=sys.stderr)
+        print(terminal_safe(f"error: {first_line(exc)}"), file=sys.stderr)  # it may name a user's path
         sys.exit(exc.exit_code)
     except OSError as exc:  # paths are checked up front; this is the disk filling or a folder vanishing mid-run
         from fedlt.rundir import reason
 
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"error: {where}{reason(exc)}", file=sys.stderr)
+        print(terminal_safe(f"error: {where}{reason(exc)}"), file=sys.stderr)
         sys.exit(2)
     if isinstance(code, int) and code:  # typer returns (not raises) Exit codes, e.g. 130 on Ctrl-C
         sys.exit(code)

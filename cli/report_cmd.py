@@ -11,7 +11,7 @@ from rich.console import Console
 
 from fedlt import outputs
 from fedlt.cli.app import app
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, terminal_safe
 
 
 @app.command("report")
@@ -84,15 +84,15 @@ def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, outpu
         if not any(cell.runs for cell in cells):
             raise FedltError("no finished run to plot yet")
         outputs.check([plot / name for name in STUDY_PLOTS], "--plot", force=force)
-    typer.echo(text, nl=False)
+    typer.echo(terminal_safe(text), nl=False)  # the file gets the table as written; a terminal, nothing it would obey
     if output is not None:
         outputs.write_bytes(output, text.encode())
-        typer.echo(f"wrote {output}", err=True)
+        typer.echo(terminal_safe(f"wrote {output}"), err=True)
     if plot is not None:
         for written in plot_study(cells, plot, force):
-            typer.echo(f"wrote {written}", err=True)
+            typer.echo(terminal_safe(f"wrote {written}"), err=True)
     for problem in problems:
-        typer.echo(f"error: skipped {problem}", err=True)
+        typer.echo(terminal_safe(f"error: skipped {problem}"), err=True)
     if problems:
         raise typer.Exit(2)
 
@@ -115,8 +115,8 @@ def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
         console.print(lost)
     if plot is not None:
         for path in write_plots(loaded, plot, force):
-            typer.echo(f"wrote {path}")
+            typer.echo(terminal_safe(f"wrote {path}"))
     for problem in problems:
-        typer.echo(f"error: skipped {problem}", err=True)
+        typer.echo(terminal_safe(f"error: skipped {problem}"), err=True)
     if problems:
         raise typer.Exit(2)

@@ -32,6 +32,15 @@ def round_line(row: dict[str, Any], rounds: int) -> str:
 PER_CLIENT_MODES = ("global_local", "personal", "finetune")  # fedlt.algorithms.personal.EVAL_MODES (not imported: start-up)
 
 
+NOTHING_TRAINED = 3  # the exit status of a run that finished without training a round (docs/runs.md)
+
+
+def rounds_text(summary: dict[str, Any]) -> str:
+    """``rounds 5``, or ``rounds 5 (3 trained, 2 skipped)`` when short rounds were skipped."""
+    skipped = summary.get("rounds_skipped", 0)
+    return f"rounds {summary['rounds']}" + (f" ({summary['rounds_trained']} trained, {skipped} skipped)" if skipped else "")
+
+
 def per_client_line(summary: dict[str, Any]) -> str:
     """Each per-client mode's mean accuracy over clients, last and best: ``finetune mean 0.2586
     (best 0.2586, round 2; min 0.1364, worst10 0.1364)``; one line per mode."""
@@ -367,7 +376,11 @@ def run(
     final = summary["final"]
     typer.echo(f"final accuracy {final['accuracy']:.4f}  balanced {final['balanced_accuracy']:.4f}  "
                f"best {summary['best']['accuracy']:.4f} (round {summary['best']['round']})  "
-               f"rounds {summary['rounds']}  wall {summary['wall_time_s']:.1f}s  -> {cfg.out}")
+               f"{rounds_text(summary)}  wall {summary['wall_time_s']:.1f}s  -> {cfg.out}")
     if summary.get("per_client"):
         typer.echo(per_client_line(summary))
+    for warning in summary.get("warnings", []):
+        typer.echo(f"warning: {warning}", err=True)
+    if summary.get("rounds_trained") == 0:  # finished, with its summary, but nothing was learnt: not a success
+        raise typer.Exit(NOTHING_TRAINED)
 

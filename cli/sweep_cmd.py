@@ -238,7 +238,8 @@ def _run(the_study: Any, out: Path, executor: str, params: dict[str, Any], exten
     if result.stop_signal is not None or result.count("stopped"):
         typer.echo(f"stopped; continue with: fedlt sweep {out}", err=True)
         raise typer.Exit(130)
-    untracked = sorted(run_id for run_id, outcome in result.outcomes.items() if outcome.warnings)
+    untracked = sorted(run_id for run_id, outcome in result.outcomes.items()
+                       if any(w.startswith("tracking with") for w in outcome.warnings))  # not a run's own warning
     if untracked:  # tracking was asked for: runs that lost it are not a success
         typer.echo(f"tracking incomplete for {len(untracked)} run(s) ({', '.join(untracked[:5])}"
                    f"{', ...' if len(untracked) > 5 else ''}): see the warnings above", err=True)

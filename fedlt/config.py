@@ -67,12 +67,14 @@ def _check_component(registry, spec: dict[str, Any], what: str) -> dict[str, Any
     return spec
 
 
-def _spec_strings(value: Any, what: str, nested: tuple[str, ...], whole: bool = True) -> Any:
+def _spec_strings(value: Any, what: str, nested: tuple[str, ...], whole: bool = True,
+                  example: str | None = None) -> Any:
     """``value`` with spec strings read as ``{"name": ..., **params}`` tables: ``value`` itself
-    (when ``whole``) and its ``nested`` keys. Anything else is left to the field's validation."""
+    (when ``whole``) and its ``nested`` keys. Anything else is left to the field's validation;
+    ``example``: the hint for a string that is no spec (the field's allowed values)."""
     try:
         if whole and isinstance(value, str):
-            return parse_spec(value, what)
+            return parse_spec(value, what, example)
         if isinstance(value, dict) and any(isinstance(value.get(k), str) for k in nested):
             return {**value, **{k: parse_spec(value[k], f"{what}.{k}") for k in nested if isinstance(value.get(k), str)}}
     except FedltError as exc:
@@ -325,7 +327,8 @@ class RunConfig(Strict):
     @field_validator("client_test", mode="before")
     @classmethod
     def _client_test_spec(cls, spec: Any) -> Any:
-        return _spec_strings(spec, "client_test", ())
+        return _spec_strings(spec, "client_test", (), example=f"e.g. 'holdout(fraction=0.25)' or 'matched' (valid: "
+                             f"{', '.join(fedlt.client_tests.REGISTRY.list())})")
 
     @field_validator("client_test")
     @classmethod
@@ -344,7 +347,8 @@ class RunConfig(Strict):
             return value  # pydantic names the type
         modes = []
         for spec in specs:
-            spec = _spec_strings(spec, "client_eval", ())
+            spec = _spec_strings(spec, "client_eval", (), example=f"e.g. 'personal' or 'finetune(epochs=5)' (valid: "
+                                 f"expected, {', '.join(EVAL_MODES)})")
             if not isinstance(spec, dict) or spec.get("name") not in ("expected", *EVAL_MODES):
                 name = spec.get("name") if isinstance(spec, dict) else spec
                 raise ValueError(f"unknown mode {name!r} (valid: expected, {', '.join(EVAL_MODES)})")
@@ -472,6 +476,10 @@ class RunConfig(Strict):
             raise ValueError(f"{device!r}: fedlt runs on cpu, cuda or mps")
         if not available[kind]:
             raise ValueError(f"{device!r}: no {kind} device is available here")
+        index, count = torch.device(device).index, torch.cuda.device_count() if kind == "cuda" else 1
+        if index is not None and index >= count:  # torch accepts any index, and fails at the first tensor (or never, on cpu)
+            raise ValueError(f"{device!r}: this machine has {count} {kind} device{'s' if count > 1 else ''} "
+                             f"({', '.join(f'{kind}:{i}' for i in range(count))})")
         return device
 
     @field_validator("algorithm_params")

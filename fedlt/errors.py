@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
+
+# control characters (C0 but newline and tab, DEL, C1) and the bidirectional overrides: what could move
+# the cursor, clear the screen or reorder the text a terminal shows
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 class FedltError(Exception):
@@ -25,6 +31,12 @@ class UnknownNameError(FedltError, KeyError):
 
     def __str__(self) -> str:  # KeyError would wrap the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every control character written as its escape (``\\x1b``): names fedlt prints
+    (a run directory, a client's reason) come from files and folders anyone may have named."""
+    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def first_line(exc: BaseException) -> str:

@@ -31,6 +31,12 @@ from fedlt.errors import FedltError
 
 _NAME = re.compile(r"\s*([A-Za-z_][\w.:/-]*)\s*(?:\((.*)\))?\s*", re.DOTALL)
 _EXAMPLE = "e.g. 'dirichlet(beta=0.1, min_size=10)' or 'longtail(imbalance_factor=100, then=dirichlet(beta=0.5))'"
+_ANY_EXAMPLE = "e.g. 'name' or 'name(key=value, ...)'"
+
+
+def _example(what: str) -> str:
+    """The hint of a spec that does not parse: the partitioners' examples for a partition, a plain form else."""
+    return _EXAMPLE if what.lstrip("-").split(".")[0] in ("partition", "then", "component") else _ANY_EXAMPLE
 _NONE_WORDS = {"none", "null"}
 
 # The bounds of loss expressions (fedlt.losses.compose): a real spec is a few dozen characters and
@@ -115,23 +121,24 @@ def literal(node: ast.AST, *, tables: bool = False) -> Any:
     raise NotALiteral(f"{ast.unparse(node)[:60]!r} is not a literal")
 
 
-def parse_spec(text: str, what: str = "component") -> dict[str, Any]:
+def parse_spec(text: str, what: str = "component", example: str | None = None) -> dict[str, Any]:
     """``"name(k=v, ...)"`` as ``{"name": "name", **params}``; a one-line FedltError naming ``what``
-    (the flag or field) when the text is not a spec."""
+    (the flag or field) when the text is not a spec, with ``example`` (default: one fitting ``what``)."""
+    example = example or _example(what)
     if not isinstance(text, str) or not text.strip():
-        raise FedltError(f"{what}: expected a component spec ({_EXAMPLE}), got {text!r}"[:300])
+        raise FedltError(f"{what}: expected a component spec ({example}), got {text!r}"[:300])
     if len(text) > MAX_TEXT_LENGTH:
         raise FedltError(f"{what}: a spec of {len(text)} characters, more than the {MAX_TEXT_LENGTH} allowed")
     match = _NAME.fullmatch(text)
     if match is None:
-        raise FedltError(f"{what} {shown(text)}: not a component spec; {_EXAMPLE}")
+        raise FedltError(f"{what} {shown(text)}: not a component spec; {example}")
     name, args = match.group(1), match.group(2)
     if args is None or not args.strip():
         return {"name": name}
     call = parse_expression(f"f({args})", what, text)
     # "a(x=1) + b(y=2)" also matches the pattern: only one call of the name is a spec
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "f"):
-        raise FedltError(f"{what} {shown(text)}: invalid syntax in the parameters; {_EXAMPLE}")
+        raise FedltError(f"{what} {shown(text)}: invalid syntax in the parameters; {example}")
     return {"name": name, **_params(call, name, text, what)}
 
 

@@ -244,28 +244,43 @@ def _chunks(x: np.ndarray, channels_last: bool):
         yield start, block.transpose(0, 3, 1, 2) if channels_last else block
 
 
-def channel_statistics(x: np.ndarray, channels_last: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and (population) std of an image array, in float64, two passes in chunks."""
+def _too_large(name: str) -> FedltError:
+    return FedltError(f"dataset arrays: {name}'s values are too large to standardise (their mean or spread "
+                      "overflows float64); scale the images to a smaller range, e.g. [0, 1]")
+
+
+def channel_statistics(x: np.ndarray, channels_last: bool, name: str = "x_train") -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and (population) std of an image array, in float64, two passes in chunks;
+    values whose statistics overflow float64 are one FedltError (numpy's warnings silenced: this says it)."""
     total, count = 0.0, 0
-    for _, block in _chunks(x, channels_last):
-        total = total + block.sum(axis=(0, 2, 3))
-        count += block.shape[0] * block.shape[2] * block.shape[3]
-    mean = total / count
-    squares = 0.0
-    for _, block in _chunks(x, channels_last):
-        squares = squares + ((block - mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
-    std = np.sqrt(squares / count)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for _, block in _chunks(x, channels_last):
+            total = total + block.sum(axis=(0, 2, 3))
+            count += block.shape[0] * block.shape[2] * block.shape[3]
+        mean = total / count
+        squares = 0.0
+        for _, block in _chunks(x, channels_last):
+            squares = squares + ((block - mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+        std = np.sqrt(squares / count)
+    if not (np.isfinite(mean).all() and np.isfinite(std).all()):
+        raise _too_large(name)
     return mean, np.where(std > 0, std, 1.0)  # a constant channel is centred, not divided by zero
 
 
-def standardise(x: np.ndarray, channels_last: bool, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
-    """float32 (N, C, H, W) channels-last tensor of (x - mean) / std, filled chunk by chunk."""
+def standardise(x: np.ndarray, channels_last: bool, mean: np.ndarray, std: np.ndarray,
+                name: str = "x_train") -> torch.Tensor:
+    """float32 (N, C, H, W) channels-last tensor of (x - mean) / std, filled chunk by chunk; a value
+    that leaves float32's range on the way (the test set far from the training set's statistics)
+    is one FedltError naming the array."""
     n = x.shape[0]
     _, block = next(_chunks(x[:1], channels_last))
     out = torch.empty((n, *block.shape[1:]), dtype=torch.float32, memory_format=torch.channels_last)
     for start, block in _chunks(x, channels_last):
-        block = (block - mean[None, :, None, None]) / std[None, :, None, None]
-        out[start:start + block.shape[0]] = torch.from_numpy(block.astype(np.float32))
+        with np.errstate(over="ignore", invalid="ignore"):
+            block = ((block - mean[None, :, None, None]) / std[None, :, None, None]).astype(np.float32)
+        if not np.isfinite(block).all():
+            raise _too_large(name)
+        out[start:start + block.shape[0]] = torch.from_numpy(block)
     return out
 
 
@@ -289,7 +304,8 @@ def load_arrays(root: str | Path, name: str = "arrays") -> InMemoryDataset:
     mean, std = channel_statistics(x_train, shape_train[3])  # the test set is standardised like the training set
     return InMemoryDataset(
         name, standardise(x_train, shape_train[3], mean, std), _labels(arrays["y_train"]),
-        standardise(x_test, shape_test[3], mean, std), _labels(arrays["y_test"]), num_classes, groups, class_names,
+        standardise(x_test, shape_test[3], mean, std, "x_test"), _labels(arrays["y_test"]), num_classes, groups,
+        class_names,
     )
 
 

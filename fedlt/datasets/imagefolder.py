@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import stat
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import dataclass, field, replace
@@ -523,14 +524,16 @@ class _Feed:
         return self.batches
 
 
-def _dead_workers(loader: Any) -> str:
-    """The loader's worker processes that are gone, in words ('' when all are alive)."""
+def _dead_workers(loader: Any, wait_s: float = 0.0) -> str:
+    """The loader's worker processes that are gone, in words ('' when all are alive); ``wait_s``:
+    how long to wait for one to be seen gone (its connection closes while it is still exiting)."""
     workers = getattr(getattr(loader, "_iterator", None), "_workers", None) or []
-    gone = []
-    for worker in workers:
-        if not worker.is_alive():
-            gone.append(f"pid {worker.pid}, {exit_words(worker.exitcode)}")
-    return "; ".join(gone)
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [f"pid {w.pid}, {exit_words(w.exitcode)}" for w in workers if not w.is_alive()]
+        if gone or time.monotonic() >= deadline:
+            return "; ".join(gone)
+        time.sleep(0.02)
 
 
 def _shut_down(loader: Any) -> None:
@@ -638,9 +641,11 @@ class FileImages:
                     raise FedltError(x)
                 yield idx, x.to(self.device, non_blocking=True)
         except (RuntimeError, OSError, EOFError) as exc:  # a dead worker: "Connection reset by peer", "exited unexpectedly"
-            dead = _dead_workers(loader)
-            if not dead:
+            cut = isinstance(exc, (ConnectionError, EOFError)) or "exited unexpectedly" in str(exc)
+            dead = _dead_workers(loader, wait_s=1.0 if cut else 0.0)
+            if not dead and not cut:
                 raise
+            dead = dead or "its connection to this process was cut; its exit status is unknown"
             broken = True
             raise FedltError(f"{WHAT}: a --loader-workers process decoding the images died ({dead}); the run "
                              "stopped before the round it was in could finish") from None

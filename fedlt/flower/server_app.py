@@ -248,5 +248,7 @@ def main(grid: Grid, context: Context) -> None:
     config = RunConfig.model_validate(read_config_file(Path(str(settings["config"]))))
     runner = FlowerRunner(grid, config, node_wait=float(settings.get("node-wait", NODE_WAIT_S)))
     summary = loop.run(config, resume=bool(settings.get("resume", False)), runner=runner)
-    print(f"fedlt: final accuracy {summary['final']['accuracy']:.4f} after {summary['rounds']} rounds -> {config.out}",
-          flush=True)
+    print(f"fedlt: final accuracy {summary['final']['accuracy']:.4f} after {summary['rounds']} rounds "
+          f"({summary['rounds_trained']} trained, {summary['rounds_skipped']} skipped) -> {config.out}", flush=True)
+    for warning in summary.get("warnings", []):
+        print(f"fedlt: warning: {warning}", flush=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlt import io
-from fedlt.errors import FedltError
+from fedlt.errors import FedltError, terminal_safe
 
 
 @dataclass
@@ -54,6 +54,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_fraction(value: Any) -> bool:
+    """An accuracy: a number in [0, 1] (NaN is not)."""
+    return _is_number(value) and 0 <= value <= 1
+
+
+def _cell(value: Any):
+    """Copied text for a table: never read as markup, its control characters escaped."""
+    from rich.text import Text
+
+    return Text(terminal_safe(str(value)))
+
+
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     """A metrics row as the engine writes it, or a FedltError naming the line and the field."""
     if not isinstance(row, dict):
@@ -64,19 +76,21 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     if acc is not None and (not _is_number(acc) or not 0 <= acc <= 1):  # rounds not evaluated have none
         raise FedltError(f"{where}: 'accuracy' is {acc!r}, not a number in [0, 1]")
     for key in NUMBER_FIELDS:
-        if row.get(key) is not None and not _is_number(row[key]):
-            raise FedltError(f"{where}: {key!r} is {row[key]!r}, not a number")
+        fits = _is_fraction if key.endswith("accuracy") else _is_number
+        if row.get(key) is not None and not fits(row[key]):
+            raise FedltError(f"{where}: {key!r} is {row[key]!r}, not a number"
+                             + (" in [0, 1]" if fits is _is_fraction else ""))
     for mode in PER_CLIENT_MODES:
-        for key in PER_CLIENT_SHOWN:
-            if row.get(f"{mode}_{key}") is not None and not _is_number(row[f"{mode}_{key}"]):
-                raise FedltError(f"{where}: '{mode}_{key}' is {row[f'{mode}_{key}']!r}, not a number")
+        for key in PER_CLIENT_SHOWN:  # accuracies over clients (and their std): each in [0, 1]
+            if row.get(f"{mode}_{key}") is not None and not _is_fraction(row[f"{mode}_{key}"]):
+                raise FedltError(f"{where}: '{mode}_{key}' is {row[f'{mode}_{key}']!r}, not a number in [0, 1]")
         spread = row.get(f"{mode}_client_accuracy")
-        if spread is not None and (not isinstance(spread, list) or not all(a is None or _is_number(a) for a in spread)):
-            raise FedltError(f"{where}: '{mode}_client_accuracy' is not a list of numbers")
+        if spread is not None and (not isinstance(spread, list) or not all(a is None or _is_fraction(a) for a in spread)):
+            raise FedltError(f"{where}: '{mode}_client_accuracy' is not a list of numbers in [0, 1]")
     per_class = row.get("per_class_accuracy")
     if per_class is not None and (not isinstance(per_class, list)
-                                  or not all(a is None or _is_number(a) for a in per_class)):
-        raise FedltError(f"{where}: 'per_class_accuracy' is not a list of numbers")
+                                  or not all(a is None or _is_fraction(a) for a in per_class)):
+        raise FedltError(f"{where}: 'per_class_accuracy' is not a list of numbers in [0, 1]")
     return row
 
 
@@ -216,7 +230,6 @@ def _pct(value: float | None) -> str:
 def table(runs: list[Run]):
     """A rich Table comparing the runs (accuracies in %)."""
     from rich.table import Table
-    from rich.text import Text
 
     t = Table(title="fedlt runs (accuracies in %)")
     for name in ("run", "algorithm", "dataset", "rounds"):
@@ -226,7 +239,7 @@ def table(runs: list[Run]):
     for r in rows(runs):
         rounds = f"{r['rounds']}/{r['target_rounds']}" + ("" if r["finished"] else " unfinished")
         wall = "–" if r["wall_time_s"] is None else f"{r['wall_time_s']:.1f}s"
-        t.add_row(Text(r["run"]), Text(str(r["algorithm"])), Text(str(r["dataset"])), rounds, _pct(r["final_accuracy"]),
+        t.add_row(_cell(r["run"]), _cell(r["algorithm"]), _cell(r["dataset"]), rounds, _pct(r["final_accuracy"]),
                   f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
                   _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall)
     return t
@@ -260,7 +273,6 @@ def per_client_table(runs: list[Run]):
     """A rich Table of the runs' per-client numbers (accuracies in %), last and best; None when no
     run has any."""
     from rich.table import Table
-    from rich.text import Text
 
     found = per_client_rows(runs)
     if not found:
@@ -276,7 +288,7 @@ def per_client_table(runs: list[Run]):
             last = _pct(r[key])
             best = r.get(f"best_{key}")
             cells.append(last if key == "std" or best is None else f"{last} / {_pct(best)} ({r[f'best_{key}_round']})")
-        t.add_row(Text(r["run"]), Text(r["mode"]), *cells)
+        t.add_row(_cell(r["run"]), _cell(r["mode"]), *cells)
     return t
 
 
@@ -284,7 +296,6 @@ def participation_table(runs: list[Run]):
     """Per round of every run that lost clients: how many were sampled and returned, and who was
     dropped and why (docs/faults.md); None when no run lost any."""
     from rich.table import Table
-    from rich.text import Text
 
     lost = [(run, p) for run in runs for p in run.participation if p["dropped"]]
     if not lost:
@@ -294,7 +305,7 @@ def participation_table(runs: list[Run]):
         t.add_column(name, justify=justify)
     for run, p in lost:
         dropped = "; ".join(f"{c}: {reason}" for c, reason in p["dropped"].items())
-        t.add_row(Text(run.label), str(p["round"]), f"{len(p['returned'])}/{len(p['sampled'])}", Text(dropped))
+        t.add_row(_cell(run.label), str(p["round"]), f"{len(p['returned'])}/{len(p['sampled'])}", _cell(dropped))
     return t
 
 

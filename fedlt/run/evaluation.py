@@ -103,7 +103,11 @@ class ClientEvaluation:
                 for start in range(0, len(self.clients), CHUNK):
                     tasks = [self.task(run, cid, number - 1, weights, classifier)
                              for cid in self.clients[start:start + CHUNK]]
-                    done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+                    try:
+                        done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+                    except NonFiniteLoss as exc:  # a fine-tune diverged: the evaluation's, not the training's
+                        raise NonFiniteLoss(f"round {number}'s {run.name} evaluation (on a copy of the round's "
+                                            f"model; training was not affected): {exc}") from None
             row.update(self.fields(mode.name, done[run]))
         return row
 

@@ -291,8 +291,10 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
     best = max(evaluated, key=lambda r: r["accuracy"])  # the earliest round on ties
     keep = ("accuracy", "balanced_accuracy", "loss", "many_accuracy", "medium_accuracy", "few_accuracy",
             "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
-    return {
+    skipped = sum(1 for r in state.metrics if "skipped" in r)
+    summary = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model, "rounds": state.round,
+        "rounds_trained": state.round - skipped, "rounds_skipped": skipped,
         "partition": {"name": prep.partition.manifest.get("name"), "sha256": prep.partition.sha256},
         "groups": {"rule": config.groups.rule} | {k: v.tolist() for k, v in prep.groups.items()},
         "final": {"round": final["round"]} | {k: final[k] for k in keep if k in final}
@@ -300,6 +302,30 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
     } | per_client_summaries(evaluated, config)
+    warnings = ([f"no round trained: all {state.round} rounds were short and skipped (on_short=skip), so every "
+                 "number is the initial model's"] if skipped == state.round else [])
+    warnings += [f"{mode}: no client evaluated, {why}" for mode, why in unevaluated(evaluated[-1], config, prep)]
+    return summary | ({"warnings": warnings} if warnings else {})
+
+
+def unevaluated(row: dict[str, Any], config: RunConfig, prep: parts.Prepared) -> list[tuple[str, str]]:
+    """The per-client modes that scored no client in ``row`` (an evaluated round), each with why."""
+    out = []
+    for mode in (m["name"] for m in config.client_eval_modes()):
+        if row.get(f"{mode}_clients", 1):
+            continue
+        held = prep.client_tests
+        if row.get(f"{mode}_failed"):
+            why = f"every evaluated client failed (metrics.jsonl's {mode}_failed says why)"
+        elif held is not None and not any(len(held.test_indices[cid]) for cid in range(config.clients)):
+            name = held.manifest.get("name")
+            why = f"every client's test set is empty (client_test {name}" + (
+                ": a holdout takes test samples only from the classes a client holds twice or more)"
+                if name == "holdout" else ")")
+        else:
+            why = "the evaluated clients' test sets are empty (client_eval_fraction picked only such clients)"
+        out.append((mode, why))
+    return out
 
 
 def per_client_summaries(evaluated: list[dict[str, Any]], config: RunConfig) -> dict[str, Any]:

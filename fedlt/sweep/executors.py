@@ -183,6 +183,7 @@ def run_job(job: Job) -> Outcome:
         outcome.final_accuracy = summary["final"]["accuracy"]
         outcome.best_accuracy, outcome.best_round = summary["best"]["accuracy"], summary["best"]["round"]
         outcome.rounds = summary["rounds"]
+        outcome.warnings += summary.get("warnings", [])  # e.g. no round trained: the study goes on, and says so
     return outcome
 
 
