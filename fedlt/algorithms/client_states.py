@@ -106,7 +106,9 @@ def difference(template: Any, state: Any, where: str = "state") -> str | None:
                 or state.shape != template.shape):
             return f"{where} is {_described(state)}, this algorithm's is {_described(template)}"
         return None
-    return None if type(state) is type(template) else f"{where} is {_described(state)}, this algorithm's is {_described(template)}"
+    if type(state) is not type(template):
+        return f"{where} is {_described(state)}, this algorithm's is {_described(template)}"
+    return None
 
 
 class ClientStates:
@@ -189,7 +191,8 @@ class ClientStates:
                 found = difference(template, self._memory[cid])
                 if found:
                     raise FedltError(f"{where} holds a state for client {cid} that this run's algorithm cannot "
-                                     f"have produced: {found} (resume with the settings that wrote it, or start a new run)")
+                                     f"have produced: {found} (resume with the settings that wrote it, or start a "
+                                     "new run)")
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict[Any, Any]:

@@ -85,7 +85,8 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
             if row.get(f"{mode}_{key}") is not None and not _is_fraction(row[f"{mode}_{key}"]):
                 raise FedltError(f"{where}: '{mode}_{key}' is {row[f'{mode}_{key}']!r}, not a number in [0, 1]")
         spread = row.get(f"{mode}_client_accuracy")
-        if spread is not None and (not isinstance(spread, list) or not all(a is None or _is_fraction(a) for a in spread)):
+        if spread is not None and (not isinstance(spread, list)
+                                   or not all(a is None or _is_fraction(a) for a in spread)):
             raise FedltError(f"{where}: '{mode}_client_accuracy' is not a list of numbers in [0, 1]")
     per_class = row.get("per_class_accuracy")
     if per_class is not None and (not isinstance(per_class, list)
