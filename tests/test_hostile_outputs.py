@@ -55,6 +55,17 @@ def test_hostile_outputs_a_run_that_trained_no_round_says_so_and_exits_3(tmp_pat
     assert summary["warnings"] == [line.removeprefix("warning: ") for line in err.splitlines()]
 
 
+def test_hostile_outputs_a_sweep_records_a_run_that_trained_nothing_and_goes_on(tmp_path):
+    from fedlt.sweep.executors import Job, run_job
+
+    config = RunConfig(algorithm="fedavg", model="mlp", train_limit=100, test_limit=100, clients=2, rounds=1,
+                       partition={"name": "iid"}, local_iters=1, availability="bernoulli(p=1e-9)",
+                       faults={"on_failure": "drop"}, out=tmp_path / "cell")
+    outcome = run_job(Job("cell", config.model_dump(mode="json"), resume=False, threads=1))
+    assert outcome.status == "done" and outcome.rounds == 1 and outcome.error is None
+    assert [w[:17] for w in outcome.warnings] == ["no round trained:"]
+
+
 def test_hostile_outputs_a_mode_that_evaluated_no_client_says_why_once(tmp_path, capsys):
     out = tmp_path / "empty"  # one training sample per client: a holdout leaves each an empty test set
     code, stdout, err = cli(["run", *TINY[:4], "--train-limit", "10", "--test-limit", "100", "--clients", "5",
