@@ -23,8 +23,11 @@ called from Python per step — each is a kernel launch or more on a GPU — and
 synchronisations, ``aten::_local_scalar_dense``).
 
     python benchmarks/profile_round.py [--task pfllib|scala|both] [--threads 1] [--out DIR] [--small]
+    python benchmarks/profile_round.py --task pfllib --time 4     # no profiling: CPU and wall s a round
 
-Writes ``profile_round.json`` into ``--out`` (default benchmarks/results/).
+Writes ``profile_round.json`` into ``--out`` (default benchmarks/results/). ``--time R`` runs R
+rounds untouched and prints each round after the first (train + evaluation + checkpoint): the
+A/B timing of docs/benchmarks.md, run alternately against another fedlt on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -217,8 +220,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny sizes (a check that the script works)")
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="directory of profile_round.json")
     parser.add_argument("--name", default="profile_round", help="the JSON's name (e.g. profile_round_before)")
+    parser.add_argument("--time", type=int, default=0, metavar="R", help="R rounds, timed only (no profile)")
     args = parser.parse_args(argv)
+    if args.time:
+        return time_rounds(args.task, args.device, args.threads, args.small, args.time)
     return profile(args.task, args.device, args.threads, args.small, args.out, args.name)
+
+
+def time_rounds(task: str, device: str, threads: int | None, small: bool, rounds: int) -> dict:
+    """CPU and wall seconds of each round after the first (train, evaluation, checkpoint, record)."""
+    import torch
+
+    import fedlt
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    if threads:
+        torch.set_num_threads(threads)
+    settings = dict(PFLLIB, **(SMALL if small else {})) if task == "pfllib" else dict(SCALA, **(SMALL_SCALA if small else {}))
+    marks: list[tuple[float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="fedlt-time-") as tmp:
+        run(RunConfig(**settings, rounds=rounds, eval_every=1, device=device, out=Path(tmp) / "run"),
+            on_round=lambda done, row: marks.append((time.process_time(), time.perf_counter())))
+    cpu = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+    wall = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+    result = {"fedlt": str(Path(fedlt.__file__).parent), "task": task, "cpu_s": cpu, "wall_s": wall}
+    print(json.dumps(result))
+    return result
 
 
 def profile(task: str, device: str, threads: int | None, small: bool, out: Path, name: str = "profile_round") -> dict:

@@ -41,6 +41,7 @@ from fedlt.algorithms.fedavg_family import ClientUpdate
 from fedlt.algorithms.protocol import CLIENT_CALLS, ClientTask
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
+from fedlt.metrics import forward_rows
 from fedlt.models import eval_mode
 from fedlt.spec import SpecModel
 
@@ -210,7 +211,7 @@ def score(model: Callable[[torch.Tensor], torch.Tensor], test: ClientData, num_c
     device = test.y.device
     correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    for idx in torch.arange(len(test), device=test.index_device).split(batch):
+    for idx in torch.arange(len(test), device=test.index_device).split(forward_rows(batch, device)):
         x, y = test.take(idx)
         logits = upcast(model(x.to(device)))
         hit = logits.argmax(1) == y
