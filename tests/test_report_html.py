@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from fedlt import outputs
 from fedlt.report import is_accuracy, load_study, render_study
-from test_hostile_report import PROBES, fails_cleanly, study, succeeds, tree
+from test_hostile_report import PROBES, fails_cleanly, study, succeeds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HOSTILE = "<script>alert(1)</script>"
@@ -61,7 +62,8 @@ def figures(page: Page) -> list[str]:
 
 
 def hostile_run(folder: Path, name: str, algorithm: str, per_client: bool) -> Path:
-    """A finished 2-round run whose config, label and partition name carry hostile strings."""
+    """A finished 2-round run whose config, label and partition name carry hostile strings; with
+    ``per_client``, per-client fields and a partition manifest."""
     folder.mkdir(parents=True)
     rows = []
     for number, acc in ((1, 0.5), (2, 0.75)):
@@ -78,8 +80,9 @@ def hostile_run(folder: Path, name: str, algorithm: str, per_client: bool) -> Pa
                                                     "notes": {"probe": PROBES}, "format_version": 1}))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "summary.json").write_text(json.dumps({"rounds": 2, "wall_time_s": 1.5}))
-    (folder / "partition.json").write_text(json.dumps({"name": HOSTILE, "sha256": name,
-                                                       "class_counts": [[5, 0, 1], [0, 7, 2]]}))
+    if per_client:
+        (folder / "partition.json").write_text(json.dumps({"name": HOSTILE, "sha256": name,
+                                                           "class_counts": [[5, 0, 1], [0, 7, 2]]}))
     return folder
 
 
@@ -99,7 +102,7 @@ def test_the_run_page_holds_the_tables_figures_config_and_versions_and_escapes_w
     assert figures(page) == ["top-1 and balanced accuracy per evaluated round", "final per-class accuracy",
                              "final accuracy on the many / medium / few classes",
                              "per-client accuracy: mean per round, and each client's in the last evaluated round",
-                             "a&b <i>: partition (clients × classes)", "plain: partition (clients × classes)"]
+                             "a&b <i>: partition (clients × classes)"]
     # copied strings are text, never markup: the label, the algorithm, a dropped client's reason, config values
     assert "<i>" not in text and "a&amp;b &lt;i&gt;" in text
     assert HOSTILE not in text and text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 3
@@ -140,11 +143,11 @@ def test_html_refuses_a_file_fedlt_did_not_write_an_input_and_a_directory_then_f
     out = study(tmp_path / "s", ["x"])
     fails_cleanly(["report", out, "--html", out / "study.json"], capsys, tmp_path)
     page_file = tmp_path / "page.html"
-    succeeds(["report", *runs, "--html", page_file], capsys)
-    before = tree(tmp_path)
-    err = fails_cleanly(["report", *runs, "--html", page_file], capsys, tmp_path)
-    assert "--force" in err and tree(tmp_path) == before
-    succeeds(["report", *runs, "--html", page_file, "--force"], capsys)
+    outputs.write_bytes(page_file, b"fedlt's earlier page")  # as an earlier --html leaves it
+    err = fails_cleanly(["report", runs[1], "--html", page_file], capsys, tmp_path)
+    assert "--force" in err
+    succeeds(["report", runs[1], "--html", page_file, "--force"], capsys)
+    assert self_contained(page_file.read_text())
 
 
 @pytest.mark.parametrize("metric, expected", [

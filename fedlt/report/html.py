@@ -41,10 +41,12 @@ body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin:
        padding: 0 1.5em; color: #222; background: #fff; }
 h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; }
 p.note { color: #555; margin-top: 0; }
-table { border-collapse: collapse; margin: .6em 0 1.2em; font-variant-numeric: tabular-nums; }
+table { border-collapse: collapse; margin: .6em 0 1.2em; font-variant-numeric: tabular-nums; display: block;
+        max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; vertical-align: top; }
 td.num { text-align: right; white-space: nowrap; } th { background: #f3f3f3; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figure.heatmap { display: inline-block; margin-right: 1em; } figure.heatmap img { max-width: 600px; }
 figcaption { color: #555; font-size: .9em; }
 details { margin: .4em 0; } summary { cursor: pointer; font-weight: 600; }
 code, td.cfg { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-size: .92em; }
@@ -57,10 +59,10 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _figure(fig: Any, caption: str) -> str:
-    """The figure as an inline PNG (``data:`` URI), with its caption as alt text."""
+def _figure(fig: Any, caption: str, kind: str = "plot") -> str:
+    """The figure as an inline PNG (``data:`` URI), with its caption as alt text; ``kind`` its CSS class."""
     data = base64.b64encode(png_bytes(fig, dpi=100)).decode("ascii")
-    return (f'<figure><img src="data:image/png;base64,{data}" alt="{_e(caption)}">'
+    return (f'<figure class={kind}><img src="data:image/png;base64,{data}" alt="{_e(caption)}">'
             f"<figcaption>{_e(caption)}</figcaption></figure>")
 
 
@@ -130,7 +132,7 @@ def _participation_section(runs: list[Run]) -> str:
 def _heatmaps(shown: list[tuple[str, Run]]) -> list[str]:
     """Partition heat maps of (caption, run) pairs, at most ``MAX_HEATMAPS``."""
     with_counts = [(caption, run) for caption, run in shown if run.manifest and "class_counts" in run.manifest]
-    figures = [_figure(partition_figure(run), caption) for caption, run in with_counts[:MAX_HEATMAPS]]
+    figures = [_figure(partition_figure(run), caption, "heatmap") for caption, run in with_counts[:MAX_HEATMAPS]]
     if len(with_counts) > MAX_HEATMAPS:
         figures.append(f"<p class=note>{len(with_counts) - MAX_HEATMAPS} more partitions not drawn.</p>")
     return figures
