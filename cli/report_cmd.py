@@ -40,16 +40,17 @@ def report(
                                        "first (a table without --cols)"),
     html: Optional[Path] = typer.Option(None, "--html", help="write one self-contained HTML page to this file: the "
                                         "table, accuracy curves, per-class, many/medium/few and per-client figures, "
-                                        "partition heat maps, the config and versions; it loads nothing (reads offline)"),
+                                        "partition heat maps, the config and versions; it loads nothing (offline)"),
     force: bool = typer.Option(False, "--force", help="replace fedlt's own earlier --output / --plot / --html files "
                                "(never a file fedlt did not write, never an input)"),
 ) -> None:
     """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time; or
     aggregate a study over its seeds: mean ± std (n) per cell, laid out with --rows / --cols.
+    --html FILE writes it all as one self-contained page, figures, configs and versions included.
 
     A run that cannot be read (not a run, or a damaged file) is named on stderr, one line each,
     and left out; the others are still reported, and the exit code is then 2. A study's failed
-    runs are marked in their cell and listed under the table. An existing --output or --plot file
+    runs are marked in their cell and listed under the table. An existing --output, --plot or --html file
     is refused unless fedlt wrote it (then --force replaces it); an input never is."""
     from fedlt.report import is_study
     from fedlt.rundir import check_directory, check_file

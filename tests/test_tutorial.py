@@ -59,8 +59,11 @@ def steps(markdown: str) -> list[Step]:
             argv = shlex.split(line, comments=True)
             if not argv:
                 continue
-            if argv[:2] == ["mkdir", "-p"] or argv[0] == "fedlt":
-                found.append(Step("mkdir" if argv[0] == "mkdir" else "fedlt", argv[1:] if argv[0] == "fedlt" else argv[2:]))
+            if argv[:2] == ["mkdir", "-p"]:
+                found.append(Step("mkdir", argv[2:]))
+                continue
+            if argv[0] == "fedlt":
+                found.append(Step("fedlt", argv[1:]))
                 continue
             raise AssertionError(f"docs/tutorial.md runs a command the test does not know: {line!r}")
     return found

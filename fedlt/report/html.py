@@ -71,7 +71,8 @@ def _table(header: list[str], body: list[list[Any]], first_text: int = 1) -> str
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
     lines = ["".join(f'<td{"" if i < first_text else " class=num"}>{_e(v)}</td>' for i, v in enumerate(line))
              for line in body]
-    return f"<table><thead><tr>{head}</tr></thead><tbody>" + "".join(f"<tr>{t}</tr>" for t in lines) + "</tbody></table>"
+    body_rows = "".join(f"<tr>{t}</tr>" for t in lines)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body_rows}</tbody></table>"
 
 
 def _flat(value: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -99,8 +100,9 @@ def _versions(recorded: dict[str, Any]) -> str:
     mine = _table(["package", "version"], found)
     theirs = [(where, key, value) for where, config in recorded.items() for key, value in _flat(config)
               if "version" in key.rsplit(".", 1)[-1].lower()]
-    own = _table(["run", "field", "value"], theirs) if theirs else "<p class=note>(no version recorded in the run files)</p>"
-    return f"<h2>Versions</h2><p class=note>recorded by the runs:</p>{own}<p class=note>this page written with:</p>{mine}"
+    own = _table(["run", "field", "value"], theirs) if theirs else "<p class=note>(none in the run files)</p>"
+    return (f"<h2>Versions</h2><p class=note>recorded by the runs:</p>{own}"
+            f"<p class=note>this page written with:</p>{mine}")
 
 
 def _page(title: str, note: str, sections: list[str]) -> str:
@@ -151,10 +153,10 @@ def run_page(runs: list[Run], problems: list[str] | None = None) -> str:
     figures += _heatmaps([(f"{run.label}: partition (clients × classes)", run) for run in runs])
     configs = [_config(f"{run.label}: config.json", run.config) for run in runs]
     recorded = {run.label: {"config": run.config, "summary": run.summary or {}} for run in runs}
+    tables = ["<h2>Runs</h2>", _table(list(RUN_COLUMNS), table_lines(runs), first_text=3),
+              _per_client_section(runs), _participation_section(runs), _problems(problems or [])]
     return _page(f"fedlt report: {', '.join(run.label for run in runs)}", "accuracies in %",
-                 ["<h2>Runs</h2>", _table(list(RUN_COLUMNS), table_lines(runs), first_text=3), _per_client_section(runs), _participation_section(runs),
-                  _problems(problems or []), "<h2>Figures</h2>", *figures, "<h2>Configuration</h2>", *configs,
-                  _versions(recorded)])
+                 [*tables, "<h2>Figures</h2>", *figures, "<h2>Configuration</h2>", *configs, _versions(recorded)])
 
 
 def _problems(problems: list[str]) -> str:
@@ -175,7 +177,8 @@ def _study_table(t: StudyTable) -> str:
 
 
 def _study_heatmaps(shown: list[Cell]) -> list[str]:
-    """One heat map per distinct partition (its sha256), from each cell's first run."""
+    """One heat map per distinct partition (its sha256): cells that differ only in the method share
+    their seeds' partitions."""
     seen, pairs = set(), []
     for cell in shown:
         for seed, run in zip(cell.seeds, cell.runs):

@@ -335,4 +335,5 @@ def plot_study(cells: list[Cell], folder: str | Path, force: bool = False) -> li
     if not shown:
         raise FedltError("no finished run to plot yet")
     outputs.check([folder / n for n in STUDY_PLOTS], "--plot", force=force)
-    return [_save(study_curves_figure(shown), folder / STUDY_PLOTS[0]), _save(study_per_class_figure(shown), folder / STUDY_PLOTS[1])]
+    return [_save(study_curves_figure(shown), folder / STUDY_PLOTS[0]),
+            _save(study_per_class_figure(shown), folder / STUDY_PLOTS[1])]
