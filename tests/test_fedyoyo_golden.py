@@ -133,3 +133,20 @@ def test_the_round_measures_before_it_trains():
     algo.train_round(RoundContext.placeholder(C), participants, states, Runner())
     assert [COLLECT in c[0] for c in calls] == [True, False]
     assert torch.allclose(calls[1][0][PRIOR].double(), T([3.0, 7.0, 1.0, 1.0]) / 12)  # 1 + the two clients' sums
+
+
+def test_cutout_zeroes_one_clipped_square_per_sample():
+    """Their ``Cutout(n_holes=1, length)``: rows y − L//2 .. y + L//2 − 1 (clipped), columns alike,
+    around a uniform centre per sample; checked against a per-sample loop on the same draws."""
+    x = torch.randn(6, 2, 9, 7) + 5
+    torch.manual_seed(3)
+    out = fedyoyo.cutout(x, 4)
+    torch.manual_seed(3)
+    cy, cx = torch.randint(9, (6, 1)), torch.randint(7, (6, 1))
+    expected = x.clone()
+    for i in range(6):
+        y0, y1 = max(int(cy[i]) - 2, 0), min(int(cy[i]) + 2, 9)
+        x0, x1 = max(int(cx[i]) - 2, 0), min(int(cx[i]) + 2, 7)
+        expected[i, :, y0:y1, x0:x1] = 0
+    assert torch.equal(out, expected) and bool((out == 0).any())
+    assert fedyoyo.cutout(x, 0) is x and fedyoyo.cutout(x[:, 0, 0], 4) is not None

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+import fedlt.augment
 import fedlt.server_steps
 from fedlt.algorithms import register
 from fedlt.algorithms.base import ClientData, RunContext, build_aggregator, client_generator, place_model, upcast
@@ -132,7 +133,9 @@ class YoYoUpdate(ClientUpdate):
     def measure(self, task: ClientTask, model: nn.Module) -> torch.Tensor:
         n = len(task.data)
         index = torch.arange(n, device=task.data.index_device).split(FEATURE_BATCH)
-        features, labels = fedlt.server_steps.features(model, task.data.batches(index))
+        view = fedlt.augment.build(task.schedule.augment).eval  # their img0: the test transform
+        batches = ((view(x), y) for x, y in task.data.batches(index))
+        features, labels = fedlt.server_steps.features(model, batches)
         seed = client_generator(task.context.sampling_seed, task.round_index, task.cid).initial_seed() ^ 0x7070
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(labels.device)
         return effective_numbers(features, labels, order.split(task.schedule.batch), task.context.num_classes)
