@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import fedlt.algorithms.fedyoyo as fedyoyo
 from fedlt.algorithms.base import ClientData, LocalSchedule
@@ -19,6 +18,7 @@ from fedlt.algorithms.fedyoyo import COLLECT, EFFECTIVE, PRIOR, YoYoUpdate, effe
 from fedlt.algorithms.protocol import ClientResult, ClientTask
 from fedlt.context import RoundContext
 from fedlt.server_steps import features
+from golden_parts import BodyHead, InOrder
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "fedyoyo.json").read_text())
 T = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
@@ -27,31 +27,16 @@ C = 4
 TRAIN = GOLDEN["train"]
 
 
-class Model(nn.Module):
-    """Their net's weights, answering with the logits only (fedlt's models)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 6), nn.ReLU())
-        self.classifier = nn.Linear(6, C)
-
-    def forward(self, x):
-        return self.classifier(self.body(x))
-
-    def get_classifier(self):
-        return self.classifier
-
-
-def _model() -> Model:
-    model = Model().double()
+def _model() -> BodyHead:
+    model = BodyHead(5, 6, C).double()
     model.load_state_dict({k: T(v) for k, v in GOLDEN["init"].items()})
     return model
 
 
-def _task(round_index: int, payload: dict) -> ClientTask:
+def _task(round_index: int, payload: dict, batch: int = len(Y), epochs: int = TRAIN["epochs"]) -> ClientTask:
     data = ClientData(1, T(GOLDEN["x"]), Y, torch.bincount(Y, minlength=C))
     context = dataclasses.replace(RoundContext.placeholder(C), round_index=round_index, rounds=20)
-    schedule = LocalSchedule(len(Y), epochs=TRAIN["epochs"], lr=TRAIN["lr"], momentum=0.0, weight_decay=0.0, clip=None)
+    schedule = InOrder(batch, epochs=epochs, lr=TRAIN["lr"], momentum=0.0, weight_decay=0.0, clip=None)
     return ClientTask(1, context, _model().state_dict(), data, {}, schedule, "ce", payload)
 
 
@@ -69,17 +54,21 @@ def test_effective_numbers_are_the_authors():
     assert not torch.allclose(whole, T(GOLDEN["effective"]), rtol=1e-3)
 
 
-def _train(monkeypatch, **change) -> dict[str, torch.Tensor]:
+def _train(monkeypatch, batch: int = len(Y), epochs: int = TRAIN["epochs"], **change) -> dict[str, torch.Tensor]:
     monkeypatch.setattr(fedyoyo, "cutout", lambda x, length: x.flip(1))  # their strong view in the fixture
     params = dict(lam=TRAIN["lam"], gamma=TRAIN["gamma"], tau=TRAIN["tau"], temperature=TRAIN["temperature"],
                   warmup=TRAIN["warmup"]) | change
-    task = _task(TRAIN["round"] - 1, {PRIOR: T(TRAIN["prior"])})
+    task = _task(TRAIN["round"] - 1, {PRIOR: T(TRAIN["prior"])}, batch, epochs)
     return YoYoUpdate(**params)(task, _model()).weights
 
 
 def test_local_training_is_the_authors(monkeypatch):
     weights = _train(monkeypatch)
     for k, v in TRAIN["weights"].items():
+        assert torch.allclose(weights[k], T(v), atol=1e-10), k
+    mini = TRAIN["minibatches"]  # 10 steps of 8 in data order: the prior moves at every step
+    weights = _train(monkeypatch, mini["batch"], mini["epochs"])
+    for k, v in mini["weights"].items():
         assert torch.allclose(weights[k], T(v), atol=1e-10), k
 
 

@@ -141,7 +141,7 @@ class YoYoUpdate(ClientUpdate):
         return effective_numbers(features, labels, order.split(task.schedule.batch), task.context.num_classes)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> _Prior:
-        counts = task.data.class_counts.to(params[0].device, torch.float32)
+        counts = task.data.class_counts.to(params[0].device, torch.promote_types(params[0].dtype, torch.float32))
         prior = task.payload.get(PRIOR)
         prior = torch.full_like(counts, 1 / len(counts)) if prior is None else prior.to(counts)
         ramp = min((task.round_index + 1) / self.warmup, 1.0) if self.warmup > 0 else 1.0

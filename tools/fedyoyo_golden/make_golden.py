@@ -10,7 +10,8 @@ ResNet-8 replaced by a small net with the same interface (``features, logits = m
 reversed (a deterministic stand-in for AutoAugment + Cutout). The client: 40 samples, counts
 20/10/7/3, in a fixed shuffled order. Recorded: the effective numbers on the untrained net
 (minibatches of 8, in order), and the weights after their ``local_train`` (3 epochs of one
-full batch, SGD lr 0.1, round 5 of warm-up 10, λ 4, γ 0.1, τ 1.5, T 1.5) from a given prior;
+full batch, SGD lr 0.1, round 5 of warm-up 10, λ 4, γ 0.1, τ 1.5, T 1.5) from a given prior, and
+after 2 epochs of minibatches of 8 in data order (10 steps: the prior moves at every one);
 and ``apply_change_threshold`` on one smoothing. Writes tests/golden/fedyoyo.json with the
 repository URL and commit.
 
@@ -98,13 +99,18 @@ def main(git_dir: str, out: Path) -> None:
     current = torch.tensor([12.0, 18.0, 800.0, 41.0])
     kept = change["apply_change_threshold"](previous * 0.9 + current * 0.1, previous.clone(), 100)
 
+    args.batch_size_local_training, args.num_epochs_local_training = 8, 2  # 10 steps of 8, in order
+    client = Local(data_client=dataset, args=args)
+    minibatches = client.local_train(args, {k: v.clone() for k, v in init.items()}, 5, None, counts, prior=prior)
+
     tensors = lambda sd: {k: v.tolist() for k, v in sd.items()}  # noqa: E731
     golden = {
         "source": {"repo": REPO, "commit": commit, "files": ["main_fedyoyo.py", "data_loader/tools.py"]},
         "x": x.tolist(), "strong": strong.tolist(), "y": y.tolist(), "init": tensors(init),
         "effective": effective.tolist(), "feature_batch": 8,
         "train": {"round": 5, "warmup": 10, "epochs": 3, "lr": 0.1, "lam": 4.0, "gamma": 0.1, "tau": 1.5,
-                  "temperature": 1.5, "prior": prior.tolist(), "weights": tensors(trained)},
+                  "temperature": 1.5, "prior": prior.tolist(), "weights": tensors(trained),
+                  "minibatches": {"batch": 8, "epochs": 2, "weights": tensors(minibatches)}},
         "smoothing": {"previous": previous.tolist(), "current": current.tolist(), "result": kept.tolist()},
     }
     out.write_text(json.dumps(golden))
