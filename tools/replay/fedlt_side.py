@@ -85,7 +85,9 @@ class Recorder:
         def client_call(update, task, model=None):
             recorder.cid = task.cid
             result = call(update, task, model)
-            recorder.results[task.cid] = result
+            # the first call of the round is the client's own; a second (Ditto's personal pass) is
+            # inside it and is merged into the first's result by the caller
+            recorder.results.setdefault(task.cid, result)
             return result
 
         def sgb(term, logits, targets, **kw):
@@ -158,6 +160,31 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 # -- comparison ---------------------------------------------------------------------------------
+SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
+
+
+def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
+    uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
+    out = {"weights": result.weights}
+    if method == "fedgrab":
+        out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
+    if method == "ditto":
+        out["personal"] = result.state["personal"]
+    return out
+
+
+def recorded_difference(method: str, result: Any, recorded: dict[str, Any]) -> float:
+    """The largest relative difference between a participant's round and a fixture's record of it."""
+    worst = 0.0 if recorded.get("loss") is None else abs(result.train_loss - recorded["loss"]) / abs(recorded["loss"])
+    for group, tensors in quantities(method, result).items():
+        for name, theirs in recorded[group].items():
+            if isinstance(theirs, dict):
+                worst = max(worst, fingerprint_difference(tensors[name], theirs))
+            else:
+                worst = max(worst, relative_difference(tensors[name], torch.tensor(theirs, dtype=torch.float64)))
+    return worst
+
 def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """max |a − b| / max(max |a|, max |b|): one number per quantity, scale-free (0 for two zeros)."""
     a, b = ours.detach().double().flatten(), theirs.detach().double().flatten()

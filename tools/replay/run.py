@@ -3,6 +3,7 @@
     python tools/replay/run.py fedgrab --git /work/.mirror/ZackZikaiXiao+FedGraB/repo \\
         [--mode matched|released] [--dtype float64|float32] [--rounds 3] [--participation 0.5] \\
         [--record tests/golden/replay_fedgrab.json]
+    python tools/replay/run.py ditto --git /work/.mirror/TsingZ0+PFLlib/repo [--mode released] ...
 
 The same initial weights, client data (fedlt's partition of the replay's small long-tailed data
 set), minibatch order and hyper-parameters (the method's ``--preset authors``) go to the authors'
@@ -30,29 +31,38 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
+import ditto  # noqa: E402
 import fedgrab  # noqa: E402
-from fedlt_side import (FedltSide, fingerprint, relative_difference, replay_config, write_data)  # noqa: E402
+from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
+                        write_data)
 
-ADAPTERS = {"fedgrab": fedgrab}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 
 
-def fedlt_sgb(result) -> dict[str, torch.Tensor]:
-    loss = result.state.get("loss", {})
-    return {k: loss[f"fedgrab.{k}"] for k in SGB_KEYS}
+def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
+    """The largest relative difference of each quantity of one participant's round: each group of
+    tensors (the trained weights, the loss-term state, the personal model), the loss where both
+    sides report it, and the gates where the method draws them (a count of mismatched draws)."""
+    out: dict[str, float] = {}
+    if "gates" in theirs:
+        out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
+                             + abs(len(gates) - len(theirs["gates"])))
+    for group, tensors in quantities(method, ours).items():
+        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors)
+    if theirs.get("loss") is not None:
+        out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
+    return out
 
 
-def compare_client(ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
-    """The largest relative difference of each quantity of one participant's round."""
-    mismatched = sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"])) + abs(len(gates) - len(theirs["gates"]))
-    ours_sgb = fedlt_sgb(ours)
-    return {
-        "gates": float(mismatched),
-        "sgb": max(relative_difference(ours_sgb[k], theirs["sgb"][k]) for k in SGB_KEYS),
-        "weights": max(relative_difference(ours.weights[k], theirs["weights"][k]) for k in ours.weights),
-        "loss": abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300),
-    }
+def recorded(theirs: dict[str, Any]) -> dict[str, Any]:
+    """One participant's round of the authors' side as a fixture holds it: short vectors whole,
+    model weights as fingerprints."""
+    out: dict[str, Any] = {"loss": theirs.get("loss")}
+    for group, tensors in theirs.items():
+        if isinstance(tensors, dict):
+            out[group] = {k: v.tolist() if v.numel() <= 64 else fingerprint(v) for k, v in tensors.items()}
+    return out
 
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,12 +70,12 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
     data = write_data(work / "data.npz")
+    epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
     config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
-                           local_epochs=args.epochs)
+                           **epochs)
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
-    authors = adapter.Authors(args.git, args.mode, initial, config.clients, 10, config.optimiser.lr,
-                              config.optimiser.momentum, config.local_epochs)
+    authors = adapter.Authors(args.git, args.mode, initial, config)
     tol = TOLERANCE[args.dtype]
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
@@ -74,7 +84,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             client = side.client(cid)
             theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
                                                rec.gates.get(cid))
-            diffs = compare_client(rec.results[cid], theirs[cid], rec.gates.get(cid, []))
+            diffs = compare_client(args.method, rec.results[cid], theirs[cid], rec.gates.get(cid, []))
             for name, value in diffs.items():
                 worst[name] = max(worst.get(name, 0.0), value)
                 if first is None and (value > tol if name != "gates" else value > 0):
@@ -86,9 +96,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             first = {"round": rec.round + 1, "client": None, "quantity": "global", "difference": worst["global"]}
         rows.append({"round": rec.round + 1, "participants": rec.participants, **worst})
         record_rounds.append({"round": rec.round + 1, "participants": rec.participants,
-                              "clients": {str(c): {"loss": t["loss"], "sgb": {k: v.tolist() for k, v in t["sgb"].items()},
-                                                   "weights": {k: fingerprint(v) for k, v in t["weights"].items()}}
-                                          for c, t in theirs.items()},
+                              "clients": {str(c): recorded(t) for c, t in theirs.items()},
                               "global": {k: fingerprint(v) for k, v in glob.items()}})
     if first is not None:
         q = first["quantity"]
@@ -111,7 +119,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float64", choices=sorted(TOLERANCE))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--participation", type=float, default=0.5)
-    parser.add_argument("--epochs", type=int, default=2, help="local epochs (the authors' 5 costs more, proves no more)")
+    parser.add_argument("--epochs", type=int, help="local epochs (default: the authors', as --preset authors sets)")
     parser.add_argument("--record", type=Path, help="write the authors' side as a fixture for tests/test_replay.py")
     args = parser.parse_args()
     torch.set_num_threads(1)
