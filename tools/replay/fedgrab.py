@@ -16,6 +16,8 @@ Two modes:
   drawn with Python's ``random`` (seeded 0 here), not from DPA; the aggregation pairs the clients'
   weights (trained in order 0..K−1, fed_grab.py:92) with the sizes of a random permutation of the
   clients (fed_grab.py:91,100).
+* ``classifier``: as released, except that the classifier is stepped (the whole model is ``net``):
+  an ablation, to tell which of their choices a run's behaviour comes from.
 * ``matched``: the same code with those three choices aligned to fedlt, to show that everything
   else agrees: the whole model is ``net`` (``GBA_Layer`` is the identity, so the classifier is
   stepped as fedlt steps it), ``random_unit`` returns the gates fedlt's SGB drew from its DPA
@@ -42,7 +44,7 @@ from golden_source import definitions, source
 
 REPO = "github.com/ZackZikaiXiao/FedGraB"
 COMMIT = "7394da67dc313ee2dddf82bf19ba100778709100"
-MODES = ("matched", "released")
+MODES = ("matched", "released", "classifier")
 
 # where each quantity is computed, on both sides (what a difference is reported with)
 WHERE = {
@@ -144,22 +146,22 @@ class Authors:
         if self.mode == "matched":
             decisions = iter([bool(g) for step in gates for g in step])
             self.ns["random_unit"] = lambda p: drawn.append(next(decisions)) or drawn[-1]
-            net, layer = copy.deepcopy(self.model), nn.Identity()
         else:
             state = random.getstate()
             random.setstate(self.released_random.getstate())
             unit = self.original_random_unit
             self.ns["random_unit"] = lambda p: drawn.append(bool(unit(p))) or drawn[-1]
-            net, layer = split_model(self.model)
+        # their GBA_Layer is not in the optimiser: the classifier is stepped only as part of ``net``
+        net, layer = split_model(self.model) if self.mode == "released" else (copy.deepcopy(self.model), nn.Identity())
         me = SimpleNamespace(args=self.args, ldr_train=EpochLoader(x, y, batches, self.epochs))
         try:
             net_w, layer_w, loss = self.ns["update_weights_pid"](me, net=net, seed=0, epoch=self.epochs,
                                                                   GBA_Loss=self.losses[cid], GBA_Layer=layer)
         finally:
-            if self.mode == "released":
+            if self.mode != "matched":
                 self.released_random.setstate(random.getstate())
                 random.setstate(state)
-        if self.mode == "matched":
+        if self.mode != "released":
             weights = {k: v.detach().clone() for k, v in net_w.items()}
         else:  # backbone Sequential(0..n-2) + the classifier as the last layer, under the whole model's keys
             last = len(self.model) - 1
@@ -172,7 +174,10 @@ class Authors:
     def aggregate(self, participants: list[int], results: dict[int, dict[str, Any]], sizes: dict[int, int]) -> None:
         """FedAvg_noniid over the participants' weights (fed_grab.py:100-107)."""
         order = list(participants)
-        if self.mode == "released":  # fed_grab.py:91 draws the round's users; :100 takes their sizes in that order
+        if self.mode != "matched":  # fed_grab.py:91 draws the round's users; :100 takes their sizes in that order
             order = list(self.permutation_rng.permutation(participants))
         avg = self.ns["FedAvg_noniid"]([results[c]["weights"] for c in participants], [sizes[c] for c in order])
         self.model.load_state_dict(avg)
+
+
+REASONS["classifier"] = REASONS["released"]
