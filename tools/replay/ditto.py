@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from authors_code import load as load_definitions
+from fedlt_side import EpochLoader
 from golden_source import definitions, source
 
 REPO = "github.com/TsingZ0/PFLlib"
@@ -57,17 +58,6 @@ def load(git_dir: str) -> dict[str, Any]:
     ns.update(definitions(source(git_dir, COMMIT, "system/flcore/servers/serverbase.py"),
                           ["Server.aggregate_parameters", "Server.add_parameters"], ns))
     return ns
-
-
-class Loader:
-    """``load_train_data()``'s stand-in: each iteration is one epoch of fedlt's minibatches."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
-        per = len(batches) // epochs
-        self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
-
-    def __iter__(self):
-        return iter(self.epochs.pop(0))
 
 
 class Authors:
@@ -98,7 +88,7 @@ class Authors:
         me = self.client(cid)
         for p, g in zip(me.model.parameters(), self.model.parameters()):  # Client.set_parameters (send_models)
             p.data = g.data.clone()
-        me.load_train_data = lambda: Loader(x, y, batches, self.epochs)
+        me.load_train_data = lambda: EpochLoader(x, y, batches, self.epochs)
         self.ns["client_ptrain"](me)
         self.ns["client_train"](me)
         clone = lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}  # noqa: E731

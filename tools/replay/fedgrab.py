@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.modules.loss import _Loss
 
 from authors_code import load as load_definitions
+from fedlt_side import EpochLoader, default_dtype
 from golden_source import definitions, source
 
 REPO = "github.com/ZackZikaiXiao/FedGraB"
@@ -92,17 +93,6 @@ def new_pid_loss(ns: dict[str, Any], num_classes: int):
     return loss
 
 
-class EpochLoader:
-    """``ldr_train`` for one client's round: each iteration is one epoch of fedlt's minibatches."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
-        per = len(batches) // epochs
-        self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
-
-    def __iter__(self):
-        return iter(self.epochs.pop(0))
-
-
 def split_model(model: nn.Sequential) -> tuple[nn.Module, nn.Module]:
     """(backbone, classifier) of fedlt's MLP, sharing nothing with ``model``."""
     model = copy.deepcopy(model)
@@ -128,12 +118,8 @@ class Authors:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns, self.mode = load(git_dir), mode
         self.model = copy.deepcopy(initial)
-        before = torch.get_default_dtype()  # their buffers (torch.zeros) take the default dtype: the model's
-        torch.set_default_dtype(next(initial.parameters()).dtype)
-        try:
+        with default_dtype(next(initial.parameters()).dtype):  # their buffers (torch.zeros) take it: the model's
             self.losses = [new_pid_loss(self.ns, num_classes) for _ in range(num_clients)]
-        finally:
-            torch.set_default_dtype(before)
         self.args = SimpleNamespace(lr=lr, momentum=momentum, device="cpu")
         self.epochs, self.num_classes = epochs, num_classes
         self.released_random = random.Random(seed)

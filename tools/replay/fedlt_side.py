@@ -149,6 +149,18 @@ class FedltSide:
             yield RoundRecord(r, chosen, self.initial_weights(), results, gates, priors)
 
 
+class EpochLoader:
+    """A DataLoader's stand-in for one client's round on the authors' side: each iteration (their
+    ``for epoch: for x, y in loader``) is the next epoch of the minibatches fedlt's schedule drew."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
+        per = len(batches) // epochs
+        self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
+
+    def __iter__(self):
+        return iter(self.epochs.pop(0))
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
