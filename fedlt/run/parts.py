@@ -131,6 +131,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
+        drop_last=config.drop_last,  # issue 41
     )
 
 
