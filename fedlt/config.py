@@ -26,6 +26,7 @@ import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import safe_yaml
+from fedlt.algorithms.authors import AUTHORS, authors_settings, fill
 from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
@@ -193,6 +194,9 @@ class RunConfig(Strict):
     local_epochs: PositiveInt | None = Field(None, le=MAX_LOCAL_EPOCHS,
                                              description="epoch-based local training (FedAvg family)")
     batch_size: PositiveInt = Field(64, le=MAX_BATCH, description="minibatch size for epoch-based local training")
+    drop_last: bool = Field(False, description="epoch-based local training: leave out each epoch's last partial "
+                            "batch (PyTorch's DataLoader(drop_last=True), as PFLlib and FedVLS's code); a client "
+                            "smaller than one batch still trains its one batch")
     optimiser: Optimiser = Field(default_factory=Optimiser)
     seeds: Seeds = Field(default_factory=Seeds)
     # execution and output
@@ -272,6 +276,30 @@ class RunConfig(Strict):
                                           description="MiB of client states kept in memory; above: one file per client")
     eval_batch: PositiveInt = Field(2048, le=MAX_BATCH)
     out: Path = Path("runs/latest")
+    # -- the authors' settings (issue 41, fedlt.algorithms.authors) --
+    preset: Literal["authors"] | None = Field(None, description="authors: the algorithm's authors' training settings "
+                                              "(optimiser, local epochs, batch size, drop_last, constants) for every "
+                                              "one not set explicitly (fedlt list algorithms NAME shows them)")
+    preset_settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="what the preset chose (filled in by fedlt): {key: {value, source}}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _authors_preset(cls, data: Any) -> Any:
+        """``preset = "authors"``: the algorithm's authors' settings fill every key the data does not
+        set (a flag, a config file's value), and the ones chosen are recorded in ``preset_settings``
+        (kept as recorded when a run's config.json is read back)."""
+        if not isinstance(data, dict) or data.get("preset") != "authors":
+            return data
+        algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
+        settings = authors_settings(algorithm) if isinstance(algorithm, str) else None
+        if settings is None:
+            raise ValueError(f"preset: {algorithm!r} declares no authors' settings (those that do: "
+                             f"{', '.join(sorted(AUTHORS))})")
+        filled, chosen = fill(data, settings)
+        if "preset_settings" not in data:
+            filled["preset_settings"] = chosen
+        return filled
 
     @model_validator(mode="before")
     @classmethod

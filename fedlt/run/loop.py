@@ -26,6 +26,7 @@ fedlt.run. The engines (fedlt.engine, fedlt.parallel, fedlt.flower) call ``run``
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ import fedlt.datasets
 import fedlt.partitioners
 from fedlt import io, rundir
 from fedlt.algorithms.base import NonFiniteLoss, from_spec
+from fedlt.algorithms.cohort import cohort_fallback
 from fedlt.algorithms.protocol import ClientRunner, copy_tensors
 from fedlt.config import RunConfig
 from fedlt.datasets.source import images
@@ -50,6 +52,7 @@ from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore, st
 from fedlt.run.signals import RunStopped, stop_on_signal
 
 OnRound = Callable[[int, dict[str, Any]], None]
+LOG = logging.getLogger("fedlt")  # a notice of a choice made for the user: one line on stderr unless configured
 
 
 def check_model_finite(model: torch.nn.Module, where: str) -> None:
@@ -272,6 +275,9 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
             bind = getattr(runner, "bind", None)
             if bind is not None:  # a runner with processes of its own (fedlt.parallel) gets the run's parts once
                 bind(prep)
+            fallback = cohort_fallback(runner, prep.algorithm, config.cohort)
+            if fallback is not None:  # said once, before the first round (and kept in summary.json)
+                LOG.warning(f"fedlt: --cohort {config.cohort} falls back to one client at a time: {fallback}")
             if on_start is not None:
                 on_start(state.round)
             RoundLoop(prep, state, runner, on_round, stop_requested).run()
@@ -280,6 +286,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
                 rundir.discard_unstarted(Path(config.out))
             raise
         summary = summarise(state, config, prep)
+        if config.cohort > 1:
+            summary["cohort_fallback"] = fallback or getattr(runner, "first_fallback", None)
         io.write_json(Path(config.out) / "summary.json", summary)
         return summary
 
