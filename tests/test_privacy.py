@@ -134,3 +134,22 @@ def test_secure_aggregation_alone_gives_the_plain_runs_model(tmp_path):
 def test_secure_aggregation_is_refused_on_flower_in_one_line():
     with pytest.raises(ValueError, match="secure_aggregation: not available on engine 'flower'"):
         RunConfig(engine="flower", secure_aggregation=True)
+
+
+def test_the_privacy_study_expands_to_every_method_at_every_epsilon(tmp_path):
+    """benchmarks/studies/privacy_longtail_mnist.yaml: FedAvg, LA, FedVLS, FedETF, CCVR × ε ∈ {∞, 8, 2}
+    × 3 seeds, each a valid run on longtail_mnist.yaml's protocol (∞: no privacy at all)."""
+    from pathlib import Path
+
+    from fedlt.sweep.study import expand, load_study
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
+    study, _ = load_study(root / "privacy_longtail_mnist.yaml")
+    configs = [RunConfig.model_validate(e.config) for e in expand(study, tmp_path / "study")]
+    cells = {(c.algorithm, c.target_epsilon if c.privacy else math.inf, c.seeds.model) for c in configs}
+    assert cells == {(a, e, s) for a in ("fedavg", "fedlogit", "fedvls", "fedetf", "ccvr")
+                     for e in (math.inf, 8.0, 2.0) for s in (0, 1, 2)} and len(configs) == 45
+    lt, _ = load_study(root / "longtail_mnist.yaml")
+    assert all({k: c.model_dump()[k] for k in lt.base if k in c.model_dump()} ==
+               {k: RunConfig.model_validate(lt.base | {"out": tmp_path}).model_dump()[k] for k in lt.base}
+               for c in configs)
