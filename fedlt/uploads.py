@@ -101,6 +101,7 @@ class UploadRunner:
         self.active = bool(settings.transforms or self.mech is not None or settings.secure)
         self.counts = {"bytes_down": 0, "bytes_up": 0}
         self.extra: dict[str, Any] = {}
+        self.planned_round: int | None = None  # the round whose training upload got the plan
 
     @property
     def tolerate(self) -> bool:
@@ -116,7 +117,12 @@ class UploadRunner:
                           secure=self.settings.secure, uniform=mech is not None and mech.central)
 
     def _send(self, tasks: Sequence[ClientTask]) -> list[ClientTask]:
-        plan = self.plan()
+        """The tasks with the plan: on the round's first call only (the training upload; a second
+        call of the round — CCVR's statistics on the aggregated model — goes out as it is)."""
+        first = bool(tasks) and tasks[0].round_index != self.planned_round
+        plan = self.plan() if first else None
+        if first:
+            self.planned_round = tasks[0].round_index
         out = [dataclasses.replace(t, upload=plan) for t in tasks]
         self.counts["bytes_down"] += sum(wire.size(stateless(travelling(t)), "task") for t in out)
         return out
@@ -146,7 +152,7 @@ class UploadRunner:
     def settle(self, tasks: Sequence[ClientTask], outcomes: Sequence[Any]) -> list[Any]:
         """The outcomes with every result's weights as the algorithm aggregates them."""
         results = [o for o in outcomes if isinstance(o, ClientResult)]
-        if not self.active or not results:
+        if not results or tasks[0].upload is None:
             return list(outcomes)
         task = tasks[0]
         if any(r.packed is None for r in results):
