@@ -239,19 +239,15 @@ class RunConfig(Strict):
 
     @field_validator("upload", mode="before")
     @classmethod
-    def _upload_spec(cls, spec: Any) -> Any:
-        if isinstance(spec, str):  # "clip(norm=1) + topk(fraction=0.01)", as on the CLI
-            try:
-                return fedlt.transforms.parse_chain(spec, "upload")
-            except FedltError as exc:
-                raise ValueError(str(exc)) from None
-        return spec
-
-    @field_validator("upload")
-    @classmethod
-    def _valid_upload(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for spec in specs:
-            _check_component(fedlt.transforms.REGISTRY, spec, "upload")
+    def _upload_chain(cls, value: Any) -> Any:
+        """A chain as on the CLI ("clip(norm=1) + topk(fraction=0.01)") or a list of specs, each checked."""
+        try:
+            specs = fedlt.transforms.parse_chain(value, "upload") if isinstance(value, str) else value
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        for spec in specs if isinstance(specs, list) else []:
+            if isinstance(spec, dict):  # anything else: pydantic names the field
+                _check_component(fedlt.transforms.REGISTRY, spec, "upload")
         return specs
 
     @field_validator("privacy", mode="before")
