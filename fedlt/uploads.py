@@ -158,8 +158,10 @@ class UploadRunner:
         if any(r.packed is None for r in results):
             raise FedltError("upload: a client's result came back without its packed update (a client path that "
                              "does not apply fedlt.algorithms.protocol.uploaded)")
-        server_side = self.settings.secure or (self.mech is not None and self.mech.central)
-        if not server_side:
+        central = self.mech is not None and self.mech.central
+        if self.mech is not None and not central:  # local DP: the clients' noised uploads are the release
+            self.extra = {"epsilon": self.accountant.step(), "clip_norm": self.clip_norm}
+        if not (self.settings.secure or central):
             opened = {r.cid: open_upload(task.weights, r.weights, r.packed) for r in results}
             return [dataclasses.replace(o, weights=opened[o.cid], packed=None) if isinstance(o, ClientResult) else o
                     for o in outcomes]
@@ -181,7 +183,7 @@ class UploadRunner:
             total = {k: sum((o[k] - glob[k]).double() for o in opened) for k in results[0].packed["forms"]}
             weight = float(len(results))
             unclipped = float(sum(bool(r.packed.get("unclipped")) for r in results))
-        if self.mech is None:  # secure aggregation alone: the weighted mean
+        if self.mech is None or not self.mech.central:  # secure aggregation without central noise: the weighted mean
             return {k: v / weight for k, v in total.items()}, None
         return self.private_mean(total, unclipped, ctx.round_index), None
 

@@ -153,3 +153,26 @@ def test_the_privacy_study_expands_to_every_method_at_every_epsilon(tmp_path):
     assert all({k: c.model_dump()[k] for k in lt.base if k in c.model_dump()} ==
                {k: RunConfig.model_validate(lt.base | {"out": tmp_path}).model_dump()[k] for k in lt.base}
                for c in configs)
+
+
+def test_local_dp_noises_each_upload_and_accounts_a_gaussian_per_round(tmp_path):
+    """local(clip=C, noise_multiplier=σ): every client sends clip(Δ) + N(0, (σC)²) (the global model
+    moves by far more than the clip bound allows), and ε after r rounds is dp-accounting's for r
+    unsampled Gaussian releases."""
+    from fedlt import io
+
+    base = dict(algorithm="fedavg", model="mlp", clients=2, participation=1.0, rounds=1, local_epochs=1,
+                batch_size=50, train_limit=100, test_limit=50, eval_every=1, partition={"name": "iid"})
+    run(RunConfig(**base, privacy="local(clip=0.01, noise_multiplier=1.0)", out=tmp_path / "local"))
+    start = prepare_weights(RunConfig(**base, out=tmp_path / "probe"))
+    end = io.load_checkpoint(tmp_path / "local" / "checkpoint.pt")["algorithm"]["model"]
+    moved = math.sqrt(sum(float(((end[k] - start[k]).double() ** 2).sum()) for k in start))
+    assert moved > 10 * 0.01  # the average of two noised uploads: noise of std 0.01/√2 on ~200k coordinates
+    row = json.loads((tmp_path / "local" / "metrics.jsonl").read_text())
+    assert row["epsilon"] == P.epsilon(1.0, 1, 1, 1, 2 ** -1.1)
+
+
+def prepare_weights(cfg):
+    from fedlt.engine import prepare
+
+    return {k: v.clone() for k, v in prepare(cfg).algorithm.global_model().state_dict().items()}
