@@ -243,6 +243,17 @@ def run(
     on_failure: Optional[str] = typer.Option(None, help="a failed or late client: stop the run, or drop it"),
     on_short: Optional[str] = typer.Option(None, help="a round below --min-results: skip it (the model stays as "
                                            "it was; default) or stop the run"),
+    upload: Optional[str] = typer.Option(None, "--upload", help="update transforms of every client's upload, e.g. "
+                                         "'clip(norm=1.0) + topk(fraction=0.01, error_feedback=true)' (none: off; "
+                                         "fedlt list transforms; docs/transforms.md)"),
+    privacy: Optional[str] = typer.Option(None, "--privacy", help="differential privacy: 'client_level(clip=1.0, "
+                                          "noise_multiplier=1.1)' or 'local(...)' (none: off; docs/privacy.md)"),
+    delta: Optional[float] = typer.Option(None, "--delta", help="δ of the reported ε (default K^-1.1)"),
+    target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="calibrate the noise multiplier "
+                                                   "so that ε after all rounds is at most this"),
+    secure_aggregation: Optional[bool] = typer.Option(None, "--secure-aggregation/--no-secure-aggregation",
+                                                      help="pairwise masked uploads: the server reads only their sum "
+                                                           "(docs/privacy.md)"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
@@ -270,7 +281,8 @@ def run(
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out,
-                   drop_last=drop_last, preset=preset)
+                   drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
+                   target_epsilon=target_epsilon, secure_aggregation=secure_aggregation)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)

@@ -41,7 +41,7 @@ from fedlt.algorithms.base import (backward_precision, build_objective, client_g
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
                                             trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
-                                       isolated)
+                                       isolated, uploaded)
 from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
@@ -309,7 +309,8 @@ class CohortRunner:
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += Cohort(update, [isolated(t) for t in chunk], algorithm._work).run()
+                out += [uploaded(t, r) for t, r in zip(chunk, Cohort(update, [isolated(t) for t in chunk],
+                                                                      algorithm._work).run())]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise

@@ -45,6 +45,8 @@ from fedlt.config import RunConfig
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
+from fedlt.uploads import UploadRunner, UploadSettings
+from fedlt.uploads import summary as upload_summary
 from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
 from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
@@ -75,9 +77,11 @@ class RoundLoop:
         self.out = Path(config.out)
         self.on_round, self.stop_requested = on_round, stop_requested
         self.device = torch.device(config.device)
-        self.checkpoints = Checkpoints(self.out, config, prep, state)
+        self.uploads = UploadRunner(runner, UploadSettings.of(config))  # upload plan, bytes, DP, secure aggregation
+        self.uploads.load_state_dict(state.uploads)
+        self.checkpoints = Checkpoints(self.out, config, prep, state, server=self.uploads)
         self.availability = from_spec(fedlt.availability.REGISTRY, config.availability)
-        self.policy = PolicyRunner(runner, self.availability, config.faults, config.seeds.sampling)
+        self.policy = PolicyRunner(self.uploads, self.availability, config.faults, config.seeds.sampling)
         self.faults_possible = (config.faults.on_failure == "drop" or self.availability.acts
                                 or config.faults.round_timeout is not None)
         self.source = (images(prep.data.x_train).to(self.device), prep.data.y_train.to(self.device))
@@ -126,7 +130,7 @@ class RoundLoop:
             row: dict[str, Any] = {"round": r + 1, "participants": len(chosen),
                                    **parts.train_round(self.algorithm, self.prep.ctx, r, clients,
                                                        self.state.client_states, self.policy)}
-            row.update(self.policy.log.row())
+            row.update(self.policy.log.row() | self.uploads.row())
             check_model_finite(self.algorithm.global_model(), "aggregation")
             return row
         except RoundIncomplete as exc:
@@ -148,7 +152,7 @@ class RoundLoop:
             self.algorithm.load_state_dict(before[0])
             self.state.client_states.load_state_dict(before[1])
         row = {"round": r + 1, "participants": len(chosen), "skipped": str(exc)}
-        row.update(self.policy.log.row())
+        row.update(self.policy.log.row() | self.uploads.row())
         return row
 
     def explain(self, exc: Exception, r: int, chosen: list[int], before: Any) -> Exception:
@@ -309,7 +313,7 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
                  | {"per_class_accuracy": final["per_class_accuracy"]},
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
-    } | per_client_summaries(evaluated, config)
+    } | upload_summary(state.metrics, config) | per_client_summaries(evaluated, config)
     warnings = ([f"no round trained: all {state.round} rounds were short and skipped (on_short=skip), so every "
                  "number is the initial model's"] if skipped == state.round else [])
     warnings += [f"{mode}: no client evaluated, {why}" for mode, why in unevaluated(evaluated[-1], config, prep)]
