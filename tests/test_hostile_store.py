@@ -183,3 +183,18 @@ def test_hostile_store_a_refused_new_run_removes_only_its_own_state_files(tmp_pa
     assert (folder / written).is_file()
     rundir.discard_unstarted(out)
     assert not (folder / written).exists() and untouched(folder, planted)
+
+
+def test_hostile_store_the_template_holds_what_the_runs_upload_plan_keeps(tmp_path, capsys):
+    """The upload chain's state (an error-feedback residual, its layout set by the privacy clip
+    before it) is part of a client's: the template is built through the run's own upload plan, so a
+    resume is not refused for it."""
+    out = tmp_path / "uploads"
+    config = scaffold(out, client_state_memory_mb=512.0, clients=3, participation=1.0,
+                      upload="topk(fraction=0.1, error_feedback=true)",
+                      privacy={"name": "local", "noise_multiplier": 0.5, "clip": 1.0})
+    run(config)
+    (out / "summary.json").unlink()
+    main(["run", "--resume", str(out), "--rounds", "2", "--quiet"])
+    assert json.loads((out / "summary.json").read_text())["rounds_trained"] == 2
+    assert "upload" in io.load_checkpoint(out / "checkpoint.pt")["client_states"][0]

@@ -36,6 +36,7 @@ from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.metrics import class_groups
 from fedlt.partitioners.base import class_counts_of
+from fedlt.uploads import UploadRunner, UploadSettings
 from fedlt.models.splitting import SPLITTERS, resolve_cut
 
 
@@ -262,12 +263,15 @@ def client_state_template(prep: Prepared, round_index: int) -> dict[str, Any]:
     structure, shapes or dtypes differ (fedlt.algorithms.client_states.difference)."""
     sizes = [len(i) for i in prep.train_indices]
     cid = min((c for c, n in enumerate(sizes) if n >= 2), key=sizes.__getitem__, default=int(np.argmax(sizes)))
-    algorithm = prep.algorithm
+    algorithm, config = prep.algorithm, prep.config
     kept = copy.deepcopy(algorithm.state_dict())
     states = ClientStates()
+    # the upload plan keeps its transforms' state (an error-feedback residual) in the client's: the
+    # run's own plan (its clip, noise and masks decide the chain's layout)
+    runner = UploadRunner(LocalRunner(), UploadSettings.of(config))
     try:
-        train_round(algorithm, prep.ctx, round_index, [client_data(prep, cid, torch.device(prep.config.device))],
-                    states)
+        train_round(algorithm, prep.ctx, round_index, [client_data(prep, cid, torch.device(config.device))],
+                    states, runner)
     finally:
         algorithm.load_state_dict(kept)
     return states.get(cid)
