@@ -26,13 +26,14 @@ import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
 from fedlt import safe_yaml
+from fedlt.algorithms import compatibility
 from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
+from fedlt.bounds import MAX_ROUNDS  # noqa: F401  (one bound, shared with the algorithms' round counts)
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
 from fedlt.spec import DEFAULT_PARTITION, MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec  # noqa: F401
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
-MAX_ROUNDS = 100_000
 MAX_LOCAL_ITERS = 100_000
 MAX_LOCAL_EPOCHS = 1_000
 MAX_BATCH = 1_000_000
@@ -359,6 +360,17 @@ class RunConfig(Strict):
                 raise ValueError(f"{spec['name']} is given twice")
             modes.append(spec)
         return True if [m["name"] for m in modes] == ["expected"] else modes if modes else False
+
+    @model_validator(mode="after")
+    def _parts_fit(self) -> "RunConfig":
+        """The parts' declared needs of the classifier (a head, a server step, a personal model)
+        against what it provides (fedlt.algorithms.compatibility), before anything is written."""
+        algorithm = fedlt.algorithms.create(self.algorithm, **self.algorithm_params)
+        try:
+            compatibility.check(self.algorithm, algorithm, [m["name"] for m in self.client_eval_modes()])
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _client_tests_for_the_modes(self) -> "RunConfig":
