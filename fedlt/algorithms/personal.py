@@ -173,7 +173,7 @@ def eval_mode_of(spec: dict[str, Any]) -> EvalModeSpec:
         errors = getattr(exc, "errors", None)
         detail = errors()[0] if callable(errors) else None
         where = ".".join(str(p) for p in detail["loc"]) if detail and detail.get("loc") else ""
-        text = detail["msg"] if detail else str(exc).splitlines()[0]
+        text = detail["msg"].removeprefix("Value error, ") if detail else str(exc).splitlines()[0]
         raise FedltError(f"{name}: {where + ': ' if where else ''}{text}") from None
 
 
