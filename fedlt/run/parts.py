@@ -24,6 +24,7 @@ import fedlt.algorithms
 import fedlt.augment
 import fedlt.client_tests
 import fedlt.datasets
+import fedlt.models
 import fedlt.partitioners
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
@@ -156,6 +157,8 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
         raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
     model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
     ctx = run_context(config, model_spec, input_shape, counts, augment)
+    fedlt.models.check_fits(config.model, in_chans=input_shape[0], num_classes=data.num_classes,
+                            image_size=input_shape[-1])  # one sample's shape through the model, on meta
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)
     algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
