@@ -146,6 +146,14 @@ BOUNDS = [
     ("fedbabu", {"finetune_epochs": 10**9}, "finetune_epochs: Input should be less than or equal to 1000"),
     ("fedlf", {"warm_up": 10**9}, "warm_up: Input should be less than or equal to 100000"),
 ]
+PARTITIONS = [{"name": "dirichlet", "beta": 0.5, "min_size": 10**12}, {"name": "quantity", "alpha": 10**12},
+              {"name": "shards", "shards_per_client": 10**12}]
+
+
+@pytest.mark.parametrize("partition", PARTITIONS, ids=[p["name"] for p in PARTITIONS])
+def test_partitioner_counts_are_bounded(partition):
+    with pytest.raises(ValidationError, match="less than or equal to 10000000"):
+        RunConfig(partition=partition)
 
 
 @pytest.mark.parametrize("algorithm,params,message", BOUNDS, ids=[f"{a}-{next(iter(p))}" for a, p, _ in BOUNDS])
