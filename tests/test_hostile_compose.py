@@ -102,6 +102,15 @@ def test_every_composition_runs_or_is_refused_in_one_line(algorithm, head, step,
         assert summary["per_client"]["personal"]["final"]["mean"] is not None
 
 
+def test_fedloge_s_personal_model_loads_the_weights_of_its_ga_fr_global_model(tmp_path):
+    """GA-FR's evaluated model keeps the training model's modules (g_aux re-aligned in place of g_head),
+    so a client's personal model (LA-FR) loads its weights: it raised 'Error(s) in loading state_dict'."""
+    summary = run(RunConfig(**TINY, algorithm="fedloge", algorithm_params={"head": CHEAP_HEADS["sse_c"] | {"name": "sse_c"},
+                                                                          "global_head": "g_aux"},
+                            client_test={"name": "matched"}, client_eval=[{"name": "personal"}], out=tmp_path / "r"))
+    assert summary["per_client"]["personal"]["final"]["mean"] is not None
+
+
 def test_a_refusal_names_both_parts_and_what_is_missing(tmp_path, capsys):
     err = fails_cleanly(["run", "--algo", "fedetf", *TINY_FLAGS, "--set", "algorithm_params.head=prototypes",
                          "--client-test", "matched", "--client-eval", "personal", "--out", str(tmp_path / "r")],

@@ -367,12 +367,19 @@ class WithAux(nn.Module):
         c, d = g_head.weight.shape[0], g_head.in_features
         self.g_head = g_head
         self.g_aux = nn.Linear(d, c).to(g_head.weight.device)
+        # GA-FR's evaluated model: g_aux re-aligned to this row norm instead of g_head (None: g_head).
+        # The same modules and state-dict keys either way, so a personal model loads its weights.
+        self.realign_scale: float | None = None
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.realign_scale is not None:
+            return global_realignment(self.g_aux.weight, self.realign_scale)
         return self.g_head.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.realign_scale is not None:
+            return F.linear(h.flatten(1), self.weight, self.g_aux.bias)
         return self.g_head(h)
 
 
@@ -504,10 +511,8 @@ class FedLoGeStrategy(Strategy):
         if self.global_head == "g_head":
             return self.model
         if self._inference is None:
-            aux = g_aux(self.model)
-            model = copy.deepcopy(self.model)
-            self._inference = heads.swap(model, linear_head(global_realignment(aux.weight.detach(), self.scale),
-                                                            aux.bias.detach()))
+            self._inference = copy.deepcopy(self.model)
+            classifier(self._inference).realign_scale = self.scale
         return self._inference
 
 
