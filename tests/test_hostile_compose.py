@@ -135,6 +135,18 @@ def test_declarations_are_true_of_the_built_heads():
         assert fedlt.server_steps.requires(fedlt.server_steps.get(name)) <= set(heads.CAPABILITIES)
 
 
+@heads.provides("linear", "in_features")
+def _claims_linear(in_features: int, num_classes: int) -> nn.Module:
+    """Declares 'linear' but has no bias: a re-training server step would fail on it mid-run."""
+    return heads.PrototypeHead(in_features, num_classes, 1.0, 0)
+
+
+def test_the_head_contract_holds_a_head_to_what_it_declares():
+    from fedlt.testing import ContractError, check_head
+    with pytest.raises(ContractError, match=r"breaks \[declares\]"):
+        check_head(_claims_linear)
+
+
 # -- 2. bounds -----------------------------------------------------------------------------------------
 BOUNDS = [
     ("fedetf", {"head": {"name": "etf", "seed": 2**70}}, "seed must be an integer from 0 to 4294967295"),
