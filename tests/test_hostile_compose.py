@@ -20,7 +20,7 @@ import fedlt.server_steps
 from fedlt.algorithms.cohort import cohort_reason
 from fedlt.cli import main
 from fedlt.config import RunConfig
-from fedlt.engine import run
+from fedlt.engine import prepare, run
 from fedlt.errors import FedltError, describe
 from fedlt.models import build, check_fits, heads
 from fedlt.spec import format_spec
@@ -119,6 +119,14 @@ def test_a_refusal_names_both_parts_and_what_is_missing(tmp_path, capsys):
     err = fails_cleanly(["run", "--algo", "fednh", *TINY_FLAGS, "--set", "algorithm_params.step=ccvr",
                          "--out", str(tmp_path / "r")], capsys, tmp_path)
     assert "server step 'ccvr'" in err and "head 'prototypes'" in err and "bias" in err, err
+
+
+def test_an_algorithm_set_up_without_a_run_config_is_checked_when_built(tmp_path):
+    config = RunConfig(**TINY, algorithm="fednh", out=tmp_path / "r")
+    unchecked = config.model_copy(update={"algorithm_params": {"step": _spec("ccvr", CHEAP_STEPS)}})  # no validation
+    with pytest.raises(FedltError, match="server step 'ccvr' needs a linear layer's weight and bias") as info:
+        prepare(unchecked)
+    assert len(str(info.value).splitlines()) == 1
 
 
 def test_declarations_are_true_of_the_built_heads():

@@ -75,4 +75,14 @@ def check(name: str, algorithm: Any, modes: Iterable[str] = ()) -> None:
                          f"classifier, which {part} does not provide (it provides: {has})")
 
 
-__all__ = ["Need", "WHAT", "classifier_of", "needs", "check"]
+def check_built(part: str, wants: frozenset[str], classifier: Any) -> None:
+    """The same check on a built classifier (an algorithm set up without a RunConfig)."""
+    offered = heads.classifier_provides(classifier)
+    missing = sorted(wants - offered)
+    if missing:
+        raise FedltError(f"{part} needs {' and '.join(WHAT.get(m, repr(m)) for m in missing)} of the classifier, "
+                         f"which {type(classifier).__name__} does not provide (it provides: "
+                         f"{', '.join(sorted(offered)) or 'nothing declared'})")
+
+
+__all__ = ["Need", "WHAT", "classifier_of", "needs", "check", "check_built"]
