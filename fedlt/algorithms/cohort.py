@@ -42,7 +42,7 @@ from fedlt.algorithms.base import (backward_precision, build_objective, client_g
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
                                             trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
-                                       isolated)
+                                       isolated, uploaded)
 from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
@@ -329,6 +329,7 @@ class CohortRunner:
     def __init__(self, transport: ClientRunner, size: int) -> None:
         self.transport, self.size = transport, size
         self.fallback: str | None = None
+        self.first_fallback: str | None = None  # the first round that fell back, and why (the run's summary)
 
     @property
     def tolerate(self) -> bool:
@@ -346,13 +347,16 @@ class CohortRunner:
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
         self.fallback = self.reason(algorithm, tasks)
+        if self.fallback is not None and self.first_fallback is None and tasks:
+            self.first_fallback = f"round {tasks[0].round_index + 1}: {self.fallback}"
         if self.fallback is not None or self.size <= 1:
             return self.transport.call(algorithm, tasks)
         update, out = client_variant(algorithm), []
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += Cohort(update, [isolated(t) for t in chunk], algorithm._work).run()
+                out += [uploaded(t, r) for t, r in zip(chunk, Cohort(update, [isolated(t) for t in chunk],
+                                                                      algorithm._work).run())]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise
@@ -367,9 +371,20 @@ class CohortRunner:
         return self.transport.each(job, algorithm, tasks)
 
 
+def cohort_fallback(runner: Any, algorithm: Any, size: int) -> str | None:
+    """Why a run asking for cohorts of ``size`` trains its clients one at a time, as known before
+    its first round (the algorithm, the model, the engine); None when the cohort runs (or none
+    was asked). A round can still fall back on its own (an injected fault): ``first_fallback``."""
+    if size <= 1:
+        return None
+    if not isinstance(runner, CohortRunner):
+        return f"{type(runner).__name__} runs each client on its own (workers > 1 or Flower)"
+    return runner.reason(algorithm, [])
+
+
 def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
     """``transport`` itself for ``size`` 1 (the default), else a :class:`CohortRunner` around it."""
     return transport if size <= 1 else CohortRunner(transport, size)
 
 
-__all__ = ["Cohort", "CohortRunner", "cohort_reason", "with_cohort"]
+__all__ = ["Cohort", "CohortRunner", "cohort_fallback", "cohort_reason", "with_cohort"]

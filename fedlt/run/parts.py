@@ -132,6 +132,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
+        drop_last=config.drop_last,  # issue 41
     )
 
 
@@ -208,17 +209,26 @@ def client_test_data(prep: Prepared, cid: int, device: torch.device,
     held = prep.client_tests
     if held is None:
         raise FedltError("per-client evaluation needs client test sets: set client_test (docs/evaluation.md)")
+    x, y = test_rows(prep, held.test_indices[cid], device, source)
+    counts = torch.as_tensor(held.class_counts[cid], dtype=torch.int64)
+    return ClientData(cid, x, y, counts.to(device))
+
+
+def test_rows(prep: Prepared, rows: np.ndarray, device: torch.device,
+              source: tuple[Any, torch.Tensor] | None = None) -> tuple[Any, torch.Tensor]:
+    """Rows ``rows`` of the set the client test sets are drawn from (the test set; the training
+    set for a holdout, then in the test set's evaluation form), on ``device``."""
+    held = prep.client_tests
     if held.source == "test":
         x, y = prep.data.x_test, prep.data.y_test
     else:
         x, y = source if source is not None else (prep.data.x_train, prep.data.y_train)
-    idx = torch.as_tensor(held.test_indices[cid], dtype=torch.long, device=y.device)
+    idx = torch.as_tensor(rows, dtype=torch.long, device=y.device)
     chosen = images(x).subset(idx)
     pipeline = fedlt.augment.build(prep.ctx.augment)
     if held.source == "train" and pipeline.changes_eval:  # training images, tested as the test set is
         chosen = pipeline.eval_all(chosen)
-    counts = torch.as_tensor(held.class_counts[cid], dtype=torch.int64)
-    return ClientData(cid, images(chosen).to(device), y[idx].to(device), counts.to(device))
+    return images(chosen).to(device), y[idx].to(device)
 
 
 def check_split_point(model: torch.nn.Module, config: RunConfig) -> None:
