@@ -62,10 +62,13 @@ def pooled_class_stats(uploads: Sequence[dict[str, torch.Tensor]]) -> tuple[torc
 
 def sample_virtual(mean: torch.Tensor, cov: torch.Tensor, n: int,
                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` draws of N(mean, cov) in float64: mean + z·(V·√λ)ᵀ with cov = V diag(λ) Vᵀ (λ < 0 from
-    rounding set to 0), so a singular covariance (fewer samples than dimensions) is fine."""
+    """``n`` draws of N(mean, cov) in float64: mean + z·(V·√λ)ᵀ with cov = V diag(λ) Vᵀ, so a
+    singular covariance (fewer samples than dimensions) is fine. Eigenvalues under numpy's rank
+    tolerance (λ_max · d · eps) are rounding, not variance, and are set to 0: their square roots
+    (~1e-8, of either sign depending on the LAPACK build) would push the draws off the subspace."""
     lam, vec = torch.linalg.eigh(cov.double())
-    root = vec * lam.clamp(min=0).sqrt()
+    tolerance = lam.abs().max() * len(lam) * torch.finfo(torch.float64).eps
+    root = vec * torch.where(lam > tolerance, lam, torch.zeros_like(lam)).sqrt()
     z = torch.randn(n, len(mean), generator=generator, dtype=torch.float64)
     return mean.double() + z @ root.T
 
