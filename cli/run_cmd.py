@@ -216,8 +216,8 @@ def run(
                                           "results are identical to 1 (docs/parallel.md)"),
     loader_workers: Optional[int] = typer.Option(None, help="DataLoader processes decoding images read from files "
                                                  "(imagefolder) ahead of use; 0: none (docs/datasets.md)"),
-    threads: Optional[int] = typer.Option(None, help="torch intra-op threads for this process (default: torch's); "
-                                          "1 when several runs share the cores (docs/runs.md)"),
+    threads: Optional[int] = typer.Option(None, help="torch intra-op threads of the run (default: the process's, "
+                                          "recorded in config.json); 1 when several runs share the cores (docs/runs.md)"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="any setting as KEY=VALUE, e.g. groups.many_above=50 "
                                              "(repeatable; VALUE none unsets)"),
     engine: Optional[str] = typer.Option(None, help="local (default) or flower: Flower's simulation runtime, "
@@ -255,7 +255,8 @@ def run(
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,
-                   download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out)
+                   download=download, engine=engine, workers=workers, loader_workers=loader_workers, threads=threads,
+                   out=resume or out)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)
@@ -314,10 +315,6 @@ def run(
     if resume is None:  # a new run: a scripted fault past its last round is a typo (issue 35)
         fedlt.availability.create(cfg.availability["name"], **{k: v for k, v in cfg.availability.items()
                                                               if k != "name"}).check_run(cfg.clients, cfg.rounds)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     if cfg.engine == "flower":
         from fedlt.flower import require
 
