@@ -167,6 +167,8 @@ def run(
     then: PartitionFlag = PARTITION_OPTIONS["then"],
     partition_file: Optional[str] = typer.Option(None, help="reuse a saved partition (partition.npz; none: unset)"),
     clients: Optional[int] = typer.Option(None, help="number of clients K"),
+    new_clients: Optional[int] = typer.Option(None, "--new-clients", help="clients held out of training, evaluated "
+                                              "apart (the partition has K + N parts; docs/evaluation.md)"),
     participation: Optional[float] = typer.Option(None, help="fraction of clients per round, in (0, 1]"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     server_batch: Optional[int] = typer.Option(None, help="SCALA's server batch B"),
@@ -251,7 +253,8 @@ def run(
         config = resume / "config.json"
     base = read_config_file(config) if config is not None else {}
     overrides: dict[str, Any] = {}
-    scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
+    scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, new_clients=new_clients,
+                   participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,

@@ -176,6 +176,9 @@ class RunConfig(Strict):
     partition: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_PARTITION))
     partition_file: Path | None = None
     clients: PositiveInt = 100
+    new_clients: int = Field(0, ge=0, le=10**6, description="clients held out of training from the start: the "
+                             "partition has clients + new_clients parts, the last new_clients are never sampled and "
+                             "are evaluated apart (new_clients_* fields; docs/evaluation.md)")
     # model
     model: str = "alexnet"
     split: str | None = Field("s2", description="cut point for split algorithms (alexnet: s1..s5)")
@@ -385,6 +388,18 @@ class RunConfig(Strict):
                              "client on its own test set: choose one with client_test (e.g. --client-test matched "
                              "or 'holdout(fraction=0.25)')")
         return self
+
+    @model_validator(mode="after")
+    def _new_clients_are_evaluated(self) -> "RunConfig":
+        if self.new_clients and not (self.client_eval_expected() or self.client_eval_modes()):
+            raise ValueError(f"new_clients: the {self.new_clients} new client(s) never train and are only evaluated: "
+                             "set client_eval (true, or modes such as finetune with client_test)")
+        return self
+
+    @property
+    def partition_clients(self) -> int:
+        """Clients in the partition: the ``clients`` that train, then the ``new_clients`` that never do."""
+        return self.clients + self.new_clients
 
     def client_eval_modes(self) -> list[dict[str, Any]]:
         """The per-client evaluation modes (SPEC §7) asked for: ``{"name": ..., **params}`` each."""

@@ -27,22 +27,26 @@ from fedlt.algorithms.base import ClientData, NonFiniteLoss
 from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of
 from fedlt.algorithms.protocol import ClientFailure, ClientStates, evaluate_with
 from fedlt.algorithms.split import classifier_of
-from fedlt.metrics import evaluate, per_client_summary
+from fedlt.metrics import client_metrics, evaluate, per_client_summary
 from fedlt.run.parts import client_data, client_test_data, group_classes
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
 POSTHOC_KEYS = ("accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy", "few_accuracy")
 
 
-def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.ndarray | None
-              ) -> tuple[dict[str, Any], float]:
+def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.ndarray | None,
+              new_counts: np.ndarray | None = None) -> tuple[dict[str, Any], float]:
     """The evaluation fields of round ``number``'s global model (and of its post-hoc
-    calibrations), and the seconds they took."""
+    calibrations), and the seconds they took; ``client_counts`` / ``new_counts``: the training
+    clients' / the new clients' class counts, for their expected accuracies (``client_*``,
+    ``new_clients_client_*``)."""
     config, data = prep.config, prep.data
     device = torch.device(config.device)
     began = time.perf_counter()
     scores = evaluate(model, data.x_test, data.y_test.cpu(), data.num_classes, prep.groups, config.eval_batch,
                       device, client_counts)
+    if new_counts is not None:
+        scores.update({f"{NEW}{k}": v for k, v in client_metrics(scores["per_class_accuracy"], new_counts).items()})
     if not np.isfinite(scores["loss"]):  # finite weights whose logits overflow float32
         raise NonFiniteLoss(f"round {number}: the global model's test loss is {scores['loss']} (its logits overflow)")
     for spec in config.posthoc:  # calibrated copies of the global model, reported beside it
@@ -55,6 +59,7 @@ def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.
     return scores, time.perf_counter() - began
 
 
+NEW = "new_clients_"  # the prefix of every field about the clients that never train (new_clients)
 EVAL_CLIENTS_SALT = 0xE7A1  # the stream of the client_eval_fraction sample
 CHUNK = 64  # EvalTasks built and sent at a time: the clients' data slices held at once stay bounded
 
@@ -85,26 +90,30 @@ class ClientEvaluation:
         self.prep, self.runner, self.states, self.source = prep, runner, states, source
         self.modes: list[EvalModeSpec] = [eval_mode_of(spec) for spec in config.client_eval_modes()]
         self.clients = eval_clients(config.clients, config.client_eval_fraction, config.seeds.sampling)
+        self.new = prep.new_clients  # all of them, every evaluation: they are few, and never sampled
         self.device = torch.device(config.device)
 
     def __bool__(self) -> bool:
         return bool(self.modes)
 
     def __call__(self, number: int) -> dict[str, Any]:
-        """The fields of round ``number`` (its global model and the clients' states at its end)."""
+        """The fields of round ``number`` (its global model and the clients' states at its end):
+        the training clients' ``<mode>_*``, then the new clients' ``new_clients_<mode>_*``."""
         model = self.prep.algorithm.global_model()
         weights, classifier = model.state_dict(), classifier_of(model)
         row: dict[str, Any] = {}
-        done: dict[EvalModeSpec, list[Any]] = {}
-        for mode in self.modes:
-            run = self.runs_as(mode)
-            if run not in done:
-                done[run] = []
-                for start in range(0, len(self.clients), CHUNK):
-                    tasks = [self.task(run, cid, number - 1, weights, classifier)
-                             for cid in self.clients[start:start + CHUNK]]
-                    done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
-            row.update(self.fields(mode.name, done[run]))
+        for prefix, clients, everyone in (("", self.clients, range(self.prep.config.clients)),
+                                          (NEW, self.new, self.new)):
+            done: dict[EvalModeSpec, list[Any]] = {}
+            for mode in self.modes if clients else ():
+                run = self.runs_as(mode)
+                if run not in done:
+                    done[run] = []
+                    for start in range(0, len(clients), CHUNK):
+                        tasks = [self.task(run, cid, number - 1, weights, classifier)
+                                 for cid in clients[start:start + CHUNK]]
+                        done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+                row.update(self.fields(prefix + mode.name, done[run], list(everyone)))
         return row
 
     def runs_as(self, mode: EvalModeSpec) -> EvalModeSpec:
@@ -124,9 +133,12 @@ class ClientEvaluation:
                         self.states.get(cid) if mode.name == "personal" else {}, mode.name,
                         data=client_data(prep, cid, self.device, self.source) if mode.name != "global_local" else None,
                         test=client_test_data(prep, cid, self.device, self.source), schedule=schedule,
-                        objective=getattr(mode, "loss", "ce"), eval_batch=prep.config.eval_batch)
+                        objective=getattr(mode, "loss", "ce"), eval_batch=prep.config.eval_batch,
+                        new_client=cid >= prep.config.clients)
 
-    def fields(self, prefix: str, outcomes: list[Any]) -> dict[str, Any]:
+    def fields(self, prefix: str, outcomes: list[Any], everyone: list[int]) -> dict[str, Any]:
+        """The row fields ``<prefix>_*`` of one mode's outcomes; ``client_ids`` when they are not
+        ``everyone`` (a sample of the clients, or some lost)."""
         scored = [o for o in outcomes if isinstance(o, ClientScores)]
         num_classes = self.prep.ctx.num_classes
         empty = np.zeros((0, num_classes), np.int64)
@@ -139,7 +151,7 @@ class ClientEvaluation:
         out[f"{prefix}_loss"] = float(sum(o.loss_sum for o in scored) / sizes.sum()) if sizes.sum() else None
         out[f"{prefix}_client_accuracy"] = [round(float(c / n), 6) if n else None
                                             for c, n in zip(correct.sum(1), sizes)]
-        if cids != list(range(self.prep.config.clients)):
+        if cids != everyone:
             out[f"{prefix}_client_ids"] = cids
         failed = {str(o.cid): o.reason for o in outcomes if isinstance(o, ClientFailure)}
         if failed:
@@ -174,12 +186,14 @@ class Evaluator:
 
     def __init__(self, prep: Any, overlapped: bool, clients: ClientEvaluation | None = None) -> None:
         self.prep, self.clients = prep, clients
-        self.client_counts = prep.counts.numpy() if prep.config.client_eval_expected() else None
+        expected = prep.config.client_eval_expected()
+        self.client_counts = prep.training_counts.numpy() if expected else None
+        self.new_counts = prep.counts[prep.config.clients:].numpy() if expected and prep.new_clients else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fedlt-eval") if overlapped else None
         self.pending: _Pending | None = None
 
     def scores(self, model: torch.nn.Module, number: int) -> tuple[dict[str, Any], float]:
-        return scores_of(model, number, self.prep, self.client_counts)
+        return scores_of(model, number, self.prep, self.client_counts, self.new_counts)
 
     def submit(self, row: dict[str, Any], number: int, train_s: float, started: float, evaluated: bool,
                snapshot: Any = None) -> Finished | None:

@@ -46,7 +46,7 @@ from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
 from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
-from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
+from fedlt.run.evaluation import NEW, ClientEvaluation, Evaluator, Finished
 from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore, store
 from fedlt.run.signals import RunStopped, stop_on_signal
 
@@ -303,8 +303,9 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
     evaluated = [r for r in state.metrics if "accuracy" in r]
     final = evaluated[-1]
     best = max(evaluated, key=lambda r: r["accuracy"])  # the earliest round on ties
+    expected = ("client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
     keep = ("accuracy", "balanced_accuracy", "loss", "many_accuracy", "medium_accuracy", "few_accuracy",
-            "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
+            *expected, *(NEW + k for k in expected))
     return {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model, "rounds": state.round,
         "partition": {"name": prep.partition.manifest.get("name"), "sha256": prep.partition.sha256},
@@ -321,6 +322,7 @@ def per_client_summaries(evaluated: list[dict[str, Any]], config: RunConfig) -> 
     (each field's highest value over the evaluated rounds, with its round), as ``per_client``:
     ``{mode: {"final": {key: value}, "best": {key: {"value": v, "round": r}}}}``."""
     modes = [m["name"] for m in config.client_eval_modes()]
+    modes += [NEW + m for m in modes] if config.new_clients else []  # the clients that never train, apart
     if not modes:
         return {}
     out: dict[str, Any] = {}
