@@ -32,6 +32,7 @@ from fedlt.run.parts import client_data, client_test_data, group_classes
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
 POSTHOC_KEYS = ("accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy", "few_accuracy")
+NEW = "new_clients_"  # the prefix of every field about the clients that never train (new_clients)
 
 
 def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.ndarray | None,
@@ -59,7 +60,6 @@ def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.
     return scores, time.perf_counter() - began
 
 
-NEW = "new_clients_"  # the prefix of every field about the clients that never train (new_clients)
 EVAL_CLIENTS_SALT = 0xE7A1  # the stream of the client_eval_fraction sample
 CHUNK = 64  # EvalTasks built and sent at a time: the clients' data slices held at once stay bounded
 
@@ -82,7 +82,8 @@ class ClientEvaluation:
     worst10, many / medium / few by the client's own training counts, clients), ``loss`` (the mean
     test cross-entropy over all the clients' test samples), ``client_accuracy`` (each client's
     accuracy, in client order; ``client_ids`` beside it when not every client is there) and
-    ``failed`` (client -> why) when a tolerant runner lost some."""
+    ``failed`` (client -> why) when a tolerant runner lost some. The clients that never train
+    (``new_clients``) get the same fields, all of them every time, as ``new_clients_<mode>_*``."""
 
     def __init__(self, prep: Any, runner: Any, states: ClientStates,
                  source: tuple[Any, torch.Tensor] | None = None) -> None:
