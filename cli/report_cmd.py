@@ -1,5 +1,6 @@
 """``fedlt report RUN_DIR...`` (a table comparing runs) or ``fedlt report STUDY_DIR`` (the
-study's table, mean ± std over seeds); ``--plot DIR`` writes PNG figures."""
+study's table, mean ± std over seeds); ``--plot DIR`` writes PNG figures, ``--html FILE`` one
+self-contained page of tables, figures, config and versions."""
 
 from __future__ import annotations
 
@@ -37,21 +38,27 @@ def report(
                                         "every cell finished while another seed is still running)"),
     sort: Optional[str] = typer.Option(None, "--sort", help="study: order the rows by this --metric's mean, highest "
                                        "first (a table without --cols)"),
-    force: bool = typer.Option(False, "--force", help="replace fedlt's own earlier --output / --plot files (never a "
-                               "file fedlt did not write, never an input)"),
+    html: Optional[Path] = typer.Option(None, "--html", help="write one self-contained HTML page to this file: the "
+                                        "table, accuracy curves, per-class, many/medium/few and per-client figures, "
+                                        "partition heat maps, the config and versions; it loads nothing (offline)"),
+    force: bool = typer.Option(False, "--force", help="replace fedlt's own earlier --output / --plot / --html files "
+                               "(never a file fedlt did not write, never an input)"),
 ) -> None:
     """Compare runs: final/best accuracy, balanced, many/medium/few, rounds, wall time; or
     aggregate a study over its seeds: mean ± std (n) per cell, laid out with --rows / --cols.
+    --html FILE writes it all as one self-contained page, figures, configs and versions included.
 
     A run that cannot be read (not a run, or a damaged file) is named on stderr, one line each,
     and left out; the others are still reported, and the exit code is then 2. A study's failed
-    runs are marked in their cell and listed under the table. An existing --output or --plot file
+    runs are marked in their cell and listed under the table. An existing --output, --plot or --html file
     is refused unless fedlt wrote it (then --force replaces it); an input never is."""
     from fedlt.report import is_study
     from fedlt.rundir import check_directory, check_file
 
     if plot is not None:
         check_directory(plot, "--plot")  # before any work: a bad folder is one line, not a traceback
+    if html is not None:
+        check_file(html, "--html")
     studies = [p for p in runs if is_study(p)]
     if studies:
         if len(runs) > 1:
@@ -59,13 +66,20 @@ def report(
         if output is not None:
             check_file(output, "--output")
             outputs.check([output], "--output", force=force, inputs=_inputs(studies[0], reference))
-        _study(studies[0], plot, rows, cols, metric, fmt, output, reference, sort, seeds, force)
+        if html is not None:
+            outputs.check([html], "--html", force=force, inputs=_inputs(studies[0], reference))
+        _study(studies[0], plot, rows, cols, metric, fmt, output, reference, sort, seeds, force, html)
         return
     if (rows or cols or metric or output is not None or fmt != "markdown" or reference is not None or sort
             or seeds is not None):  # --force applies to --plot too
         raise FedltError("--rows, --cols, --metric, --format, --output, --reference, --seeds and --sort apply to a "
                          "study directory (written by fedlt sweep)")
-    _runs(runs, plot, force)
+    if html is not None:
+        outputs.check([html], "--html", force=force, inputs=[p / name for p in runs for name in RUN_INPUTS])
+    _runs(runs, plot, force, html)
+
+
+RUN_INPUTS = ("config.json", "metrics.jsonl", "summary.json", "partition.json", "checkpoint.json")
 
 
 def _inputs(study: Path, reference: Optional[Path]) -> list[Path]:
@@ -74,12 +88,16 @@ def _inputs(study: Path, reference: Optional[Path]) -> list[Path]:
 
 
 def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, output: Optional[Path],
-           reference: Optional[Path], sort: Optional[str], seeds: Optional[str], force: bool) -> None:
+           reference: Optional[Path], sort: Optional[str], seeds: Optional[str], force: bool,
+           html: Optional[Path]) -> None:
     from fedlt.cli.sweep_cmd import parse_seeds
-    from fedlt.report import STUDY_PLOTS, load_study, plot_study, render_study
+    from fedlt.report import FORMATS, STUDY_PLOTS, load_study, plot_study, prepare_study, render_table, study_page
 
+    if fmt not in FORMATS:
+        raise FedltError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     manifest, cells, problems = load_study(path, parse_seeds(seeds) if seeds is not None else None)
-    text = render_study(manifest, cells, fmt, metrics=metric, rows=rows, cols=cols, reference=reference, sort=sort)
+    prepared = prepare_study(manifest, cells, metrics=metric, rows=rows, cols=cols, reference=reference, sort=sort)
+    text = render_table(manifest, prepared, fmt)
     if plot is not None:  # refused before anything is written
         if not any(cell.runs for cell in cells):
             raise FedltError("no finished run to plot yet")
@@ -91,14 +109,17 @@ def _study(path: Path, plot: Optional[Path], rows, cols, metric, fmt: str, outpu
     if plot is not None:
         for written in plot_study(cells, plot, force):
             typer.echo(f"wrote {written}", err=True)
+    if html is not None:
+        page = study_page(path.resolve().name, manifest, cells, prepared, problems)
+        typer.echo(f"wrote {outputs.write_bytes(html, page.encode())}", err=True)
     for problem in problems:
         typer.echo(f"error: skipped {problem}", err=True)
     if problems:
         raise typer.Exit(2)
 
 
-def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
-    from fedlt.report import participation_table, per_client_table, read_runs, table, write_plots
+def _runs(runs: list[Path], plot: Optional[Path], force: bool, html: Optional[Path]) -> None:
+    from fedlt.report import participation_table, per_client_table, read_runs, run_page, table, write_plots
 
     loaded, problems = read_runs(runs)
     if not loaded:
@@ -116,6 +137,8 @@ def _runs(runs: list[Path], plot: Optional[Path], force: bool) -> None:
     if plot is not None:
         for path in write_plots(loaded, plot, force):
             typer.echo(f"wrote {path}")
+    if html is not None:
+        typer.echo(f"wrote {outputs.write_bytes(html, run_page(loaded, problems).encode())}")
     for problem in problems:
         typer.echo(f"error: skipped {problem}", err=True)
     if problems:

@@ -36,11 +36,16 @@ def _save(fig: Any, path: str | Path, dpi: int = 120) -> Path:
 
 
 def partition_heatmap(class_counts: Any, path: str | Path, title: str | None = None) -> Path:
-    """Clients × classes heatmap of the per-client class counts (like FedLC's Figure 4).
+    """Clients × classes heatmap of the per-client class counts (``heatmap_figure``), written to
+    ``path``; the format follows its suffix (png, pdf, svg, ...). Returns ``path``."""
+    return _save(heatmap_figure(class_counts, title), path)
+
+
+def heatmap_figure(class_counts: Any, title: str | None = None) -> Any:
+    """Clients × classes heatmap of the per-client class counts (like FedLC's Figure 4), as a Figure.
 
     Rows are clients, columns classes, colour the number of samples; with at most 400 cells the
-    count is written in each cell, as in the paper. The format follows ``path``'s suffix (png,
-    pdf, svg, ...). Returns ``path``.
+    count is written in each cell, as in the paper.
     """
     counts = np.asarray(class_counts, dtype=np.int64)
     if counts.ndim != 2 or counts.size == 0:
@@ -66,4 +71,4 @@ def partition_heatmap(class_counts: Any, path: str | Path, title: str | None = N
             ax.text(c, k, str(value), ha="center", va="center", fontsize=7,
                     color="white" if dark[k, c] else "black")
     ax.set_title(title or f"class counts of {num_clients} clients × {num_classes} classes", fontsize=10)
-    return _save(fig, path)
+    return fig

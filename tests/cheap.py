@@ -21,6 +21,7 @@ CHEAP: dict[str, dict[str, Any]] = {
                        "repeats": 1}},
     "ccvr": {"step": {"name": "ccvr", "samples_per_class": 4}},
     "fedloge": {"head": {"name": "sse_c", "steps": 2}},
+    "fedrela": {"head": {"name": "sse_c", "steps": 2}},  # FedLoGe's SSE-C under FedReLa's relabelling
 }
 
 

@@ -10,7 +10,7 @@ CSV is neutralised for the format it lands in, so that opening the output never 
   leading HTML comment cannot close it (``--`` is broken up).
 
 Only what fedlt formats itself (``$95.25 \\pm 0.31$``) is written as markup.
-Imports: fedlt.errors, fedlt.report.study.
+Imports: fedlt.errors, fedlt.report.runs / study.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from __future__ import annotations
 import csv
 import io as text_io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedlt.errors import FedltError
+from fedlt.report.runs import is_accuracy
 from fedlt.report.study import (DECIMALS, FORMATS, STUDY_METRICS, Cell, Reference, _check_reference, aggregate,
                                 check_metrics, layout, read_reference)
 
@@ -70,7 +72,7 @@ def comment_text(text: str) -> str:
 
 # -- the table ------------------------------------------------------------------------------------
 def _scaled(metric: str, value: float) -> float:
-    return 100 * value if "accuracy" in metric else value  # accuracies in %, as the papers print them
+    return 100 * value if is_accuracy(metric) else value  # accuracies in %, as the papers print them
 
 
 def format_stat(metric: str, stat: dict[str, Any], entry: dict[str, Any], latex: bool = False) -> str:
@@ -223,16 +225,23 @@ def render_json(manifest: dict[str, Any], aggregated: list[dict[str, Any]], metr
     return json.dumps({"study": manifest["study"], "metrics": metrics, "cells": aggregated}, indent=2)
 
 
-def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdown", *,
-                 metrics: list[str] | None = None, rows: list[str] | None = None,
-                 cols: list[str] | None = None, reference: str | Path | None = None,
-                 sort: str | None = None) -> str:
-    """The study's table as text: ``markdown``, ``csv``, ``latex`` or ``json`` (every cell and
-    metric with its values per seed, whatever the layout, and the study's definition).
-    ``reference``: a CSV of published values merged per row (``Reference``); ``sort``: a metric
-    whose mean orders the rows, highest first."""
-    if fmt not in FORMATS:
-        raise FedltError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+@dataclass
+class StudyTable:
+    """What a study's table shows, before a format writes it: the metrics, the axes down and across,
+    each cell's statistics (``aggregate``) in the rows' order, and the reference values."""
+
+    metrics: list[str]
+    rows: list[str]
+    cols: list[str]
+    aggregated: list[dict[str, Any]]
+    published: Reference | None
+
+
+def prepare_study(manifest: dict[str, Any], cells: list[Cell], *, metrics: list[str] | None = None,
+                  rows: list[str] | None = None, cols: list[str] | None = None,
+                  reference: str | Path | None = None, sort: str | None = None) -> StudyTable:
+    """The study's table (``render_study``'s options), checked: a one-line FedltError naming the
+    option when a metric, an axis, ``sort`` or the reference does not fit the study."""
     if metrics:
         check_metrics(cells, list(metrics))  # the defaults may be absent (no 'few' class): shown as '–'
     metrics = list(metrics or STUDY_METRICS)
@@ -244,7 +253,28 @@ def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdo
     if reference is not None:
         published = read_reference(reference, row_axes + col_axes)
         _check_reference(published, aggregated, row_axes, col_axes)
+    return StudyTable(metrics, row_axes, col_axes, aggregated, published)
+
+
+def render_study(manifest: dict[str, Any], cells: list[Cell], fmt: str = "markdown", *,
+                 metrics: list[str] | None = None, rows: list[str] | None = None,
+                 cols: list[str] | None = None, reference: str | Path | None = None,
+                 sort: str | None = None) -> str:
+    """The study's table as text: ``markdown``, ``csv``, ``latex`` or ``json`` (every cell and
+    metric with its values per seed, whatever the layout, and the study's definition).
+    ``reference``: a CSV of published values merged per row (``Reference``); ``sort``: a metric
+    whose mean orders the rows, highest first."""
+    if fmt not in FORMATS:
+        raise FedltError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    return render_table(manifest, prepare_study(manifest, cells, metrics=metrics, rows=rows, cols=cols,
+                                                reference=reference, sort=sort), fmt)
+
+
+def render_table(manifest: dict[str, Any], t: StudyTable, fmt: str) -> str:
+    """A prepared table (``prepare_study``) in ``fmt``: ``markdown``, ``csv``, ``latex`` or ``json``."""
+    if fmt not in FORMATS:
+        raise FedltError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if fmt == "json":
-        return render_json(manifest, aggregated, metrics, published)
+        return render_json(manifest, t.aggregated, t.metrics, t.published)
     render = {"csv": render_csv, "latex": render_latex, "markdown": render_markdown}[fmt]
-    return render(aggregated, metrics, row_axes, col_axes, published)
+    return render(t.aggregated, t.metrics, t.rows, t.cols, t.published)

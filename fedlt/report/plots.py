@@ -11,6 +11,10 @@ pyplot state; matplotlib is imported only when a figure is drawn).
   per-client accuracies (their spread: the minimum and worst clients the mean hides);
 - ``partition-<run>.png``: each run's clients × classes count heatmap (``fedlt.plots``).
 
+Each figure is first drawn as a ``Figure`` (``accuracy_figure``, ``per_class_figure``, ...), then
+written as a PNG file or rendered to PNG bytes (``png_bytes``) for the HTML page (``fedlt.report.html``),
+which adds the many/medium/few bars (``groups_figure``) and, for a study, the per-client boxes.
+
 Labels are copied as text (a ``$`` is escaped: never read as mathtext). The files are written
 through ``fedlt.outputs`` (never over a file fedlt did not write). Imports: fedlt.errors,
 fedlt.outputs, fedlt.plots, fedlt.report.runs / study.
@@ -27,21 +31,24 @@ import numpy as np
 
 from fedlt import outputs
 from fedlt.errors import FedltError
-from fedlt.plots import new_figure, partition_heatmap
+from fedlt.plots import heatmap_figure, new_figure
 from fedlt.report.runs import Run, modes_of
 from fedlt.report.study import Cell
-
-from fedlt import outputs
 
 MAX_BARS = 100  # classes drawn as grouped bars; beyond, lines over binned classes
 MAX_POINTS = 1000  # bins of classes on a line (a per-class list of 10^6 draws in bounded time)
 
 
+def png_bytes(fig, dpi: int = 120) -> bytes:
+    """The figure as PNG, rendered in memory."""
+    buffer = stdio.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
 def _save(fig, path: Path) -> Path:
     """PNG rendered in memory, then written atomically and marked as fedlt's (``fedlt.outputs``)."""
-    buffer = stdio.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120)
-    return outputs.write_bytes(path, buffer.getvalue())
+    return outputs.write_bytes(path, png_bytes(fig))
 
 
 def _text(label: str) -> str:
@@ -62,6 +69,11 @@ def _style(ax, title: str | None = None, legend: bool = True) -> None:
 
 
 def plot_accuracy(runs: list[Run], path: Path) -> Path:
+    return _save(accuracy_figure(runs), path)
+
+
+def accuracy_figure(runs: list[Run]):
+    """Top-1 and balanced accuracy per evaluated round, every run on the same axes."""
     from matplotlib.ticker import MaxNLocator
 
     fig = new_figure(11, 4.2)
@@ -78,7 +90,7 @@ def plot_accuracy(runs: list[Run], path: Path) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         _style(ax, title, legend=ax is balanced)
     top.set_ylabel("test accuracy (%)")
-    return _save(fig, path)
+    return fig
 
 
 def binned(values: np.ndarray, bins: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +106,7 @@ def binned(values: np.ndarray, bins: int = MAX_POINTS) -> tuple[np.ndarray, np.n
         return edges[:-1], np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-def _per_class_axes(series: list[tuple[str, np.ndarray, np.ndarray | None]], title: str, path: Path) -> Path:
+def _per_class_axes(series: list[tuple[str, np.ndarray, np.ndarray | None]], title: str):
     """``series``: (label, per-class accuracy in %, its std or None); grouped bars up to
     ``MAX_BARS`` classes, else one line per series over binned classes."""
     num_classes = max(max((len(v) for _, v, _ in series), default=0), 1)
@@ -116,7 +128,7 @@ def _per_class_axes(series: list[tuple[str, np.ndarray, np.ndarray | None]], tit
     if num_classes <= 40:
         ax.set_xticks(range(num_classes))
     _style(ax, title)
-    return _save(fig, path)
+    return fig
 
 
 def _percent(values: list[float | None]) -> np.ndarray:
@@ -125,12 +137,21 @@ def _percent(values: list[float | None]) -> np.ndarray:
 
 
 def plot_per_class(runs: list[Run], path: Path) -> Path:
+    return _save(per_class_figure(runs), path)
+
+
+def per_class_figure(runs: list[Run]):
+    """The final per-class accuracy of each run, as grouped bars (lines beyond ``MAX_BARS`` classes)."""
     series = [(f"{run.label} (round {run.final['round']})", _percent(run.final.get("per_class_accuracy") or []), None)
               for run in runs]
-    return _per_class_axes(series, "per-class accuracy", path)
+    return _per_class_axes(series, "per-class accuracy")
 
 
 def plot_per_client(runs: list[Run], path: Path) -> Path:
+    return _save(per_client_figure(runs), path)
+
+
+def per_client_figure(runs: list[Run]):
     """Left: each (run, mode)'s mean per-client accuracy per evaluated round (dashed: weighted by
     test-set size); right: a box per (run, mode) of the last evaluated round's client accuracies."""
     from matplotlib.ticker import MaxNLocator
@@ -155,12 +176,16 @@ def plot_per_client(runs: list[Run], path: Path) -> Path:
     curves.xaxis.set_major_locator(MaxNLocator(integer=True))
     _style(curves, "per-client accuracy, mean over clients (dashed: weighted by test size)", legend=False)
     curves.legend(fontsize=7, loc="best")
-    boxes.boxplot(spreads, showmeans=True)
-    boxes.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
-    boxes.set_ylabel("client accuracy (%), last evaluated round")
-    boxes.set_ylim(0, 100)
-    _style(boxes, "per-client distribution", legend=False)
-    return _save(fig, path)
+    _client_boxes(boxes, spreads, labels)
+    return fig
+
+
+def _client_boxes(ax, spreads: list[np.ndarray], labels: list[str]) -> None:
+    ax.boxplot(spreads, showmeans=True)
+    ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("client accuracy (%), last evaluated round")
+    ax.set_ylim(0, 100)
+    _style(ax, "per-client distribution", legend=False)
 
 
 def _file_label(label: str) -> str:
@@ -194,16 +219,45 @@ def write_plots(runs: list[Run], folder: str | Path, force: bool = False) -> lis
     for name, run in names.items():
         if run is None:
             continue
-        title = _text(f"{run.label}: {run.manifest.get('name', 'partition')} partition")
-        written.append(partition_heatmap(run.manifest["class_counts"], folder / name, title=title))
-        outputs.record([folder / name])
+        written.append(_save(partition_figure(run), folder / name))
     return written
+
+
+def partition_figure(run: Run):
+    """The run's clients × classes count heatmap (``fedlt.plots.heatmap_figure``)."""
+    title = _text(f"{run.label}: {run.manifest.get('name', 'partition')} partition")
+    return heatmap_figure(run.manifest["class_counts"], title=title)
+
+
+GROUPS = ("many", "medium", "few")
+
+
+def groups_figure(series: list[tuple[str, np.ndarray, np.ndarray | None]], title: str):
+    """``series``: (label, [many, medium, few] accuracy in %, their std or None): grouped bars, one
+    group per class group, one bar per series (a group no class falls in is left empty)."""
+    fig = new_figure(float(np.clip(2.5 + 1.2 * len(series), 6, 14)), 3.8)
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(series), 1)
+    for k, (label, values, std) in enumerate(series):
+        ax.bar(np.arange(len(GROUPS)) + (k - (len(series) - 1) / 2) * width, values, width=width, yerr=std,
+               capsize=2 if std is not None else 0, label=_text(label))
+    ax.set_xticks(range(len(GROUPS)), [f"{g} classes" for g in GROUPS])
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_ylim(0, 100)
+    _style(ax, title)
+    return fig
+
+
+def run_groups_figure(runs: list[Run]):
+    """Each run's final many / medium / few accuracy (the class groups of its ``groups`` rule)."""
+    series = [(run.label, _percent([run.final.get(f"{g}_accuracy") for g in GROUPS]), None) for run in runs]
+    return groups_figure(series, "many / medium / few classes")
 
 
 STUDY_PLOTS = ("accuracy.png", "per_class.png")
 
 
-def _study_curves(shown: list[Cell], path: Path) -> Path:
+def study_curves_figure(shown: list[Cell]):
     """Per cell, the mean top-1 accuracy per evaluated round with a ±std band over its seeds
     (rounds every seed evaluated)."""
     from matplotlib.ticker import MaxNLocator
@@ -223,32 +277,63 @@ def _study_curves(shown: list[Cell], path: Path) -> Path:
     ax.set_ylabel("test accuracy (%), mean ± std over seeds")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _style(ax)
-    return _save(fig, path)
+    return fig
 
 
-def _study_per_class(shown: list[Cell], path: Path) -> Path:
+def _mean_std(lists: list[list[float | None]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per position, the mean and sample std (in %) over the lists, a missing value left out (NaN
+    where no list has one)."""
+    width = max((len(v) for v in lists), default=0)
+    values = np.full((len(lists), width), np.nan)
+    for i, v in enumerate(lists):
+        values[i, :len(v)] = _percent(v)
+    with warnings.catch_warnings():  # a position no seed has: its mean is NaN, drawn as a gap
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(values, 0) if width else np.zeros(0)
+        std = np.nanstd(values, 0, ddof=1) if len(values) > 1 and width else np.zeros(width)
+    return mean, std
+
+
+def study_per_class_figure(shown: list[Cell]):
     """Per cell, the mean final per-class accuracy with ±std bars over its seeds."""
-    series = []
+    series = [(cell.name, *_mean_std([run.final.get("per_class_accuracy") or [] for run in cell.runs]))
+              for cell in shown]
+    return _per_class_axes(series, "per-class accuracy, mean ± std over seeds")
+
+
+def study_groups_figure(shown: list[Cell]):
+    """Per cell, the final many / medium / few accuracy, mean ± std over its seeds."""
+    series = [(cell.name, *_mean_std([[run.final.get(f"{g}_accuracy") for g in GROUPS] for run in cell.runs]))
+              for cell in shown]
+    return groups_figure(series, "many / medium / few classes, mean ± std over seeds")
+
+
+def study_per_client_figure(shown: list[Cell]):
+    """A box per (cell, per-client mode) of the client accuracies of every seed's last evaluated
+    round, pooled (K clients × n seeds values); None when no run has a per-client mode."""
+    spreads, labels = [], []
     for cell in shown:
-        lists = [run.final.get("per_class_accuracy") or [] for run in cell.runs]
-        width = max(len(v) for v in lists)
-        values = np.full((len(lists), width), np.nan)
-        for i, v in enumerate(lists):
-            values[i, :len(v)] = _percent(v)
-        with warnings.catch_warnings():  # a class no seed evaluated: its mean is NaN, drawn as a gap
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean = np.nanmean(values, 0) if width else np.zeros(0)
-            std = np.nanstd(values, 0, ddof=1) if len(values) > 1 and width else np.zeros(width)
-        series.append((cell.name, mean, std))
-    return _per_class_axes(series, "per-class accuracy, mean ± std over seeds", path)
+        for mode in dict.fromkeys(m for run in cell.runs for m in modes_of(run)):
+            pooled = []
+            for run in cell.runs:
+                last = next((r for r in reversed(run.metrics) if r.get(f"{mode}_client_accuracy")), {})
+                pooled += [a for a in last.get(f"{mode}_client_accuracy", []) if a is not None]
+            spreads.append(_percent(pooled))
+            labels.append(_text(f"{cell.name}\n{mode} (n={len(cell.runs)})"))
+    if not spreads:
+        return None
+    fig = new_figure(float(np.clip(3 + 1.0 * len(spreads), 6, 16)), 4.6)
+    _client_boxes(fig.add_subplot(), spreads, labels)
+    return fig
 
 
 def plot_study(cells: list[Cell], folder: str | Path, force: bool = False) -> list[Path]:
-    """``accuracy.png`` (``_study_curves``) and ``per_class.png`` (``_study_per_class``) in
+    """``accuracy.png`` (``study_curves_figure``) and ``per_class.png`` (``study_per_class_figure``) in
     ``folder``, never over a file fedlt did not write there (``fedlt.outputs``)."""
     folder = Path(folder)
     shown = [c for c in cells if c.runs]
     if not shown:
         raise FedltError("no finished run to plot yet")
     outputs.check([folder / n for n in STUDY_PLOTS], "--plot", force=force)
-    return [_study_curves(shown, folder / STUDY_PLOTS[0]), _study_per_class(shown, folder / STUDY_PLOTS[1])]
+    return [_save(study_curves_figure(shown), folder / STUDY_PLOTS[0]),
+            _save(study_per_class_figure(shown), folder / STUDY_PLOTS[1])]

@@ -10,6 +10,7 @@ Imports: fedlt.io, fedlt.errors.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,17 @@ NUMBER_FIELDS = ("balanced_accuracy", "loss", "train_loss", "many_accuracy", "me
 PER_CLIENT_MODES = ("global_local", "personal", "finetune",
                     "new_clients_global_local", "new_clients_personal", "new_clients_finetune")
 PER_CLIENT_SHOWN = ("mean", "mean_weighted", "min", "worst10", "std", "many", "medium", "few")
+# a per-client mode's accuracy fields (SPEC §7), whatever comes before the mode (``new_`` clients')
+_PER_CLIENT_ACCURACY = re.compile(rf"(^|_)({'|'.join(PER_CLIENT_MODES)})_({'|'.join(PER_CLIENT_SHOWN)})$")
+
+
+def is_accuracy(metric: str) -> bool:
+    """Whether a metric (a column, or ``best_`` / ``final_`` of one) is an accuracy, a fraction
+    that every table prints in % with the same decimals: ``accuracy``, any ``*_accuracy`` column,
+    and the per-client modes' accuracies (``global_local_mean``, ``personal_worst10``, ...; their
+    spread ``_std`` too, in points). Not ``_loss``, ``_clients``, ``best_round``, ``wall_time_s``."""
+    column = metric.removeprefix("best_").removeprefix("final_")
+    return "accuracy" in column or _PER_CLIENT_ACCURACY.search(column) is not None
 
 
 def _is_number(value: Any) -> bool:
@@ -217,22 +229,34 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.2f}"
 
 
+RUN_COLUMNS = ("run", "algorithm", "dataset", "rounds", "final", "best (round)", "balanced", "many", "medium",
+               "few", "wall")
+
+
+def table_lines(runs: list[Run]) -> list[list[str]]:
+    """The comparison table's cells (``RUN_COLUMNS``), formatted: accuracies in % (``_pct``)."""
+    lines = []
+    for r in rows(runs):
+        rounds = f"{r['rounds']}/{r['target_rounds']}" + ("" if r["finished"] else " unfinished")
+        wall = "–" if r["wall_time_s"] is None else f"{r['wall_time_s']:.1f}s"
+        lines.append([r["run"], str(r["algorithm"]), str(r["dataset"]), rounds, _pct(r["final_accuracy"]),
+                      f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
+                      _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall])
+    return lines
+
+
 def table(runs: list[Run]):
     """A rich Table comparing the runs (accuracies in %)."""
     from rich.table import Table
     from rich.text import Text
 
     t = Table(title="fedlt runs (accuracies in %)")
-    for name in ("run", "algorithm", "dataset", "rounds"):
+    for name in RUN_COLUMNS[:4]:
         t.add_column(name, no_wrap=True)
-    for name in ("final", "best (round)", "balanced", "many", "medium", "few", "wall"):
+    for name in RUN_COLUMNS[4:]:
         t.add_column(name, justify="right", no_wrap=True)
-    for r in rows(runs):
-        rounds = f"{r['rounds']}/{r['target_rounds']}" + ("" if r["finished"] else " unfinished")
-        wall = "–" if r["wall_time_s"] is None else f"{r['wall_time_s']:.1f}s"
-        t.add_row(Text(r["run"]), Text(str(r["algorithm"])), Text(str(r["dataset"])), rounds, _pct(r["final_accuracy"]),
-                  f"{_pct(r['best_accuracy'])} ({r['best_round']})", _pct(r["balanced_accuracy"]),
-                  _pct(r["many_accuracy"]), _pct(r["medium_accuracy"]), _pct(r["few_accuracy"]), wall)
+    for line in table_lines(runs):
+        t.add_row(*(Text(v) for v in line[:3]), *line[3:])
     return t
 
 
@@ -260,28 +284,48 @@ def per_client_rows(runs: list[Run]) -> list[dict[str, Any]]:
     return out
 
 
+PER_CLIENT_COLUMNS = ("run", "mode", "mean", "weighted", "min", "worst 10%", "std", "many", "medium", "few")
+
+
+def per_client_lines(runs: list[Run]) -> list[list[str]]:
+    """The per-client table's cells (``PER_CLIENT_COLUMNS``): each field's last value and its best
+    (round), in % (``_pct``, as every accuracy of the reports)."""
+    lines = []
+    for r in per_client_rows(runs):
+        cells = []
+        for key in PER_CLIENT_SHOWN:
+            last = _pct(r[key])
+            best = r.get(f"best_{key}")
+            cells.append(last if key == "std" or best is None else f"{last} / {_pct(best)} ({r[f'best_{key}_round']})")
+        lines.append([r["run"], r["mode"], *cells])
+    return lines
+
+
 def per_client_table(runs: list[Run]):
     """A rich Table of the runs' per-client numbers (accuracies in %), last and best; None when no
     run has any."""
     from rich.table import Table
     from rich.text import Text
 
-    found = per_client_rows(runs)
-    if not found:
+    lines = per_client_lines(runs)
+    if not lines:
         return None
     t = Table(title="per-client accuracy over each client's own test set (in %; last, and best (round))")
-    for name in ("run", "mode"):
+    for name in PER_CLIENT_COLUMNS[:2]:
         t.add_column(name, no_wrap=True)
-    for name in ("mean", "weighted", "min", "worst 10%", "std", "many", "medium", "few"):
+    for name in PER_CLIENT_COLUMNS[2:]:
         t.add_column(name, justify="right", no_wrap=True)
-    for r in found:
-        cells = []
-        for key in PER_CLIENT_SHOWN:
-            last = _pct(r[key])
-            best = r.get(f"best_{key}")
-            cells.append(last if key == "std" or best is None else f"{last} / {_pct(best)} ({r[f'best_{key}_round']})")
-        t.add_row(Text(r["run"]), Text(r["mode"]), *cells)
+    for line in lines:
+        t.add_row(Text(line[0]), Text(line[1]), *line[2:])
     return t
+
+
+def participation_rows(runs: list[Run]) -> list[tuple[str, int, str, str]]:
+    """(run, round, returned/sampled, "client: reason; ...") per round of every run that lost
+    clients (docs/faults.md)."""
+    return [(run.label, p["round"], f"{len(p['returned'])}/{len(p['sampled'])}",
+             "; ".join(f"{c}: {reason}" for c, reason in p["dropped"].items()))
+            for run in runs for p in run.participation if p["dropped"]]
 
 
 def participation_table(runs: list[Run]):
@@ -290,15 +334,12 @@ def participation_table(runs: list[Run]):
     from rich.table import Table
     from rich.text import Text
 
-    lost = [(run, p) for run in runs for p in run.participation if p["dropped"]]
+    lost = participation_rows(runs)
     if not lost:
         return None
     t = Table(title="participation: rounds that lost clients")
     for name, justify in (("run", "left"), ("round", "right"), ("returned", "right"), ("dropped (client: reason)", "left")):
         t.add_column(name, justify=justify)
-    for run, p in lost:
-        dropped = "; ".join(f"{c}: {reason}" for c, reason in p["dropped"].items())
-        t.add_row(Text(run.label), str(p["round"]), f"{len(p['returned'])}/{len(p['sampled'])}", Text(dropped))
+    for label, number, returned, dropped in lost:
+        t.add_row(Text(label), str(number), returned, Text(dropped))
     return t
-
-
