@@ -15,10 +15,17 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
 5. ``pfllib_mnist``: seconds per round of PFLlib's MNIST task (FedAvgCNN, 100 clients, 10 %,
    one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, the CPU;
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
-7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16.
+7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
+8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task and of
+   SCALA s2 by phase (forward, backward, optimiser, clip, slicing, host syncs, evaluation,
+   aggregation, checkpoint) and torch.profiler's operators; its tables go beside the JSON;
+9. ``resnet18_cifar``: a CIFAR-10-shaped round of ResNet-18 (``resnet18_cifar``), 100 clients at
+   10 %, one local epoch of batch 32, on synthetic data of CIFAR's shape (nothing is downloaded),
+   with the GPU's utilisation sampled every 0.2 s while it trains.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (a test runs it in the suite) and
-writes ``device_check_dry_run.json``. Nothing is downloaded: MNIST ships inside the package and
+writes ``device_check_dry_run.json``. Every file the check writes goes into the directory of
+``--out``. Nothing is downloaded: MNIST ships inside the package and
 the script imports fedlt from this checkout when it is not installed.
 """
 
@@ -45,10 +52,10 @@ FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 
 FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (65536, 1000)],
             reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
-            scala_rounds=3, bf16_rounds=5)
+            scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3))
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
            pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
-           bf16_rounds=1)
+           bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1))
 TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
                 server_batch=12, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 
@@ -215,8 +222,83 @@ def bf16(device, sizes, tmp: Path) -> dict:
     return out
 
 
+def profile(device, sizes, out_dir: Path) -> dict:
+    """benchmarks/profile_round.py's phases and operators on ``device`` (its tables written beside the JSON)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_round", Path(__file__).with_name("profile_round.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = module.profile("both", str(device), None, sizes is DRY, out_dir, name="device_check_profile")
+    return {"threads": found["threads"], "tasks": {name: {k: v for k, v in task.items() if k != "settings"}
+                                                   for name, task in found["tasks"].items()}}
+
+
+def _synthetic_cifar(root: Path, train: int, test: int) -> Path:
+    """Random uint8 images of CIFAR-10's shape (32×32×3) and 10 balanced labels, as ``arrays`` reads them."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = root / "cifar_shaped.npz"
+    np.savez(path, x_train=rng.integers(0, 256, (train, 32, 32, 3), dtype=np.uint8), y_train=np.arange(train) % 10,
+             x_test=rng.integers(0, 256, (test, 32, 32, 3), dtype=np.uint8), y_test=np.arange(test) % 10)
+    return path
+
+
+class _Utilisation:
+    """The GPU's utilisation (%, ``torch.cuda.utilization``: NVML) sampled every ``period`` s in a thread."""
+
+    def __init__(self, device, period: float = 0.2) -> None:
+        import threading
+
+        self.device, self.period, self.samples, self.error = device, period, [], None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import torch
+
+        while not self.stop.wait(self.period):
+            try:
+                self.samples.append(torch.cuda.utilization(self.device))
+            except Exception as exc:  # noqa: BLE001  (no NVML here: said in the result)
+                self.error = f"{type(exc).__name__}: {exc}"[:200]
+                return
+
+    def __enter__(self) -> "_Utilisation":
+        if self.device.type == "cuda":
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def summary(self) -> dict:
+        if self.device.type != "cuda":
+            return {"gpu_utilisation": "not sampled (not a GPU)"}
+        if not self.samples:
+            return {"gpu_utilisation": f"not sampled ({self.error or 'no sample'})"}
+        return {"gpu_utilisation_mean_pct": sum(self.samples) / len(self.samples), "samples": len(self.samples)}
+
+
+def resnet18_cifar(device, sizes, tmp: Path) -> dict:
+    r = sizes["resnet"]
+    settings = dict(dataset="arrays", data_root=_synthetic_cifar(tmp, r["train"], r["test"]), model="resnet18_cifar",
+                    algorithm="fedavg", clients=r["clients"], participation=0.1, local_epochs=1, batch_size=32,
+                    partition={"name": "dirichlet", "beta": 0.1, "min_size": 2}, rounds=r["rounds"],
+                    eval_every=r["rounds"], device=str(device))
+    with _Utilisation(device) as utilisation:
+        summary, rows = _run(tmp / "resnet18", **settings)
+    return {"settings": {k: str(v) for k, v in settings.items()} | {"data": "synthetic, CIFAR-10's shape"},
+            "seconds_per_round": _seconds_per_round(rows), "eval_s": rows[-1].get("eval_s"),
+            "accuracy": summary["final"]["accuracy"]} | utilisation.summary()
+
+
 SECTIONS = {"doctor": doctor, "kernels": kernels, "fused_vs_eager": fused_vs_eager, "algorithms": algorithms,
-            "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16}
+            "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16,
+            "profile": profile, "resnet18_cifar": resnet18_cifar}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -242,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                extra = (Path(tmp),) if fn.__code__.co_argcount == 3 else ()
+                extra = ((path.parent if fn is profile else Path(tmp)),) if fn.__code__.co_argcount == 3 else ()
                 section = fn(device, sizes, *extra)
             except Exception as exc:  # noqa: BLE001  (recorded; the next section still runs)
                 section = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}

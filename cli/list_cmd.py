@@ -47,6 +47,35 @@ def show_component(kind: str, name: str) -> None:
     doc = docstring(obj)
     if doc:
         console.print(Text(doc), soft_wrap=True)  # the docstring's own line breaks
+    if kind == "algorithms":
+        show_authors_settings(console, name)
+
+
+def show_authors_settings(console: Console, name: str) -> None:
+    """An algorithm's authors' training settings beside fedlt's defaults, each with its source."""
+    from fedlt.algorithms.authors import _same, _show, authors_settings, lookup
+    from fedlt.config import RunConfig
+
+    settings = authors_settings(name)
+    if settings is None:
+        console.print(f"authors' settings: none declared (--preset authors does not apply to {name})", highlight=False)
+        return
+    import fedlt.algorithms
+
+    defaults = RunConfig.model_construct().model_dump(mode="json")
+    algorithm = fedlt.algorithms.create(name)
+    table = Table("setting", "fedlt default", "authors'", "", "source", title=f"the authors' settings "
+                  f"(--preset authors): {settings.code}", title_justify="left")
+    for s in settings.settings:
+        if s.key.startswith("algorithm_params."):
+            ours = getattr(algorithm, s.key.split(".", 1)[1], None)
+        else:
+            ours = lookup(defaults, s.key)[1]
+        table.add_row(*map(escape, (s.key, _show(ours), _show(s.value), "" if _same(ours, s.value) else "differs",
+                                    s.source.split(":", 1)[1] if ":" in s.source else s.source)))
+    console.print(table)
+    if settings.note:
+        console.print(Text(f"note: {settings.note}"), soft_wrap=True)
 
 
 @app.command("list")

@@ -176,6 +176,10 @@ def run(
     local_epochs: Optional[str] = typer.Option(None, help="epoch-based local training (FedAvg family; none: "
                                                "iteration-based)"),
     batch_size: Optional[int] = typer.Option(None, help="batch size of epoch-based local training"),
+    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--no-drop-last",
+                                             help="epoch-based training: leave out each epoch's last partial batch"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="authors: the algorithm's authors' training settings "
+                                         "for every setting not given (fedlt list algorithms NAME shows them)"),
     lr: Optional[float] = typer.Option(None, help="SGD learning rate"),
     momentum: Optional[float] = typer.Option(None),
     weight_decay: Optional[float] = typer.Option(None),
@@ -232,6 +236,17 @@ def run(
     on_failure: Optional[str] = typer.Option(None, help="a failed or late client: stop the run, or drop it"),
     on_short: Optional[str] = typer.Option(None, help="a round below --min-results: skip it (the model stays as "
                                            "it was; default) or stop the run"),
+    upload: Optional[str] = typer.Option(None, "--upload", help="update transforms of every client's upload, e.g. "
+                                         "'clip(norm=1.0) + topk(fraction=0.01, error_feedback=true)' (none: off; "
+                                         "fedlt list transforms; docs/transforms.md)"),
+    privacy: Optional[str] = typer.Option(None, "--privacy", help="differential privacy: 'client_level(clip=1.0, "
+                                          "noise_multiplier=1.1)' or 'local(...)' (none: off; docs/privacy.md)"),
+    delta: Optional[float] = typer.Option(None, "--delta", help="δ of the reported ε (default K^-1.1)"),
+    target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="calibrate the noise multiplier "
+                                                   "so that ε after all rounds is at most this"),
+    secure_aggregation: Optional[bool] = typer.Option(None, "--secure-aggregation/--no-secure-aggregation",
+                                                      help="pairwise masked uploads: the server reads only their sum "
+                                                           "(docs/privacy.md)"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
@@ -239,6 +254,7 @@ def run(
 ) -> None:
     """Run a federated experiment and write its run directory."""
     import fedlt.availability
+    from fedlt.algorithms.authors import differences_line
     from fedlt.algorithms.protocol import InjectedFault
     from fedlt.config import DEFAULT_PARTITION, RunConfig, merge, read_config_file
     from fedlt.engine import RunStopped
@@ -259,7 +275,8 @@ def run(
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, threads=threads,
-                   out=resume or out)
+                   out=resume or out, drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
+                   target_epsilon=target_epsilon, secure_aggregation=secure_aggregation)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)
@@ -318,6 +335,10 @@ def run(
     if resume is None:  # a new run: a scripted fault past its last round is a typo (issue 35)
         fedlt.availability.create(cfg.availability["name"], **{k: v for k, v in cfg.availability.items()
                                                               if k != "name"}).check_run(cfg.clients, cfg.rounds)
+    if resume is None:  # said once, at the start (STYLE.md); config.json records the settings themselves
+        note = differences_line(cfg.algorithm, cfg.model_dump(mode="json"))
+        if note:
+            typer.echo(note, err=True)
     if cfg.engine == "flower":
         from fedlt.flower import require
 

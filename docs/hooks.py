@@ -19,8 +19,12 @@ from mkdocs.structure.files import File  # noqa: E402
 # Titles and introductions of the kinds known today; a kind without one still gets a page.
 KIND_TITLES = {"algorithms": "Algorithms", "partitioners": "Partitioners", "losses": "Loss terms",
                "models": "Models", "splitters": "Splitters", "aggregators": "Aggregators", "datasets": "Datasets",
-               "augmentations": "Augmentations", "heads": "Classifier heads", "client_tests": "Client test sets"}
+               "augmentations": "Augmentations", "heads": "Classifier heads", "client_tests": "Client test sets",
+               "transforms": "Update transforms"}
 KIND_INTRO = {
+    "transforms": "What each client does to its update before uploading it (`--upload`, composed with `+`, e.g. "
+                  "`clip(norm=1.0) + topk(fraction=0.01, error_feedback=true)`; see [Update transforms]"
+                  "(../transforms.md) and [Privacy](../privacy.md)).",
     "algorithms": "Registered compositions of the library's parts (`--algo`). Parameters go in "
                   "`algorithm_params` (or `--loss`, `--client-loss`, `--server-loss`, `--aggregator`); the "
                   "defaults shown are the preset's.",

@@ -27,6 +27,7 @@ import fedlt.models.heads
 import fedlt.partitioners
 import fedlt.posthoc
 import fedlt.server_steps
+import fedlt.transforms
 from fedlt.algorithms import split_client, split_server
 from fedlt.config import ENGINES
 from fedlt.losses import SETUP_KEYS
@@ -43,7 +44,8 @@ def registries() -> dict[str, Registry]:
             "splitters": SPLITTERS, "split_clients": split_client.REGISTRY, "split_servers": split_server.REGISTRY,
             "engines": ENGINES, "posthoc": fedlt.posthoc.REGISTRY, "availability": fedlt.availability.REGISTRY,
             "augmentations": fedlt.augment.REGISTRY, "heads": fedlt.models.heads.REGISTRY,
-            "server_steps": fedlt.server_steps.REGISTRY, "client_tests": fedlt.client_tests.REGISTRY}
+            "server_steps": fedlt.server_steps.REGISTRY, "client_tests": fedlt.client_tests.REGISTRY,
+            "transforms": fedlt.transforms.REGISTRY}
 
 
 def supplied(kind: str) -> tuple[str, ...]:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 import fedlt.algorithms
 import fedlt.augment
@@ -25,14 +26,18 @@ import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
 import fedlt.posthoc
+import fedlt.privacy
+import fedlt.transforms
 from fedlt import safe_yaml
+from fedlt.algorithms import compatibility
+from fedlt.algorithms.authors import AUTHORS, authors_settings, fill
 from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
-from fedlt.errors import FedltError
+from fedlt.bounds import MAX_ROUNDS  # noqa: F401  (one bound, shared with the algorithms' round counts)
+from fedlt.errors import FedltError, describe
 from fedlt.registry import Registry, create_from_spec
 from fedlt.spec import DEFAULT_PARTITION, MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec  # noqa: F401
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
-MAX_ROUNDS = 100_000
 MAX_LOCAL_ITERS = 100_000
 MAX_LOCAL_EPOCHS = 1_000
 MAX_BATCH = 1_000_000
@@ -197,6 +202,9 @@ class RunConfig(Strict):
     local_epochs: PositiveInt | None = Field(None, le=MAX_LOCAL_EPOCHS,
                                              description="epoch-based local training (FedAvg family)")
     batch_size: PositiveInt = Field(64, le=MAX_BATCH, description="minibatch size for epoch-based local training")
+    drop_last: bool = Field(False, description="epoch-based local training: leave out each epoch's last partial "
+                            "batch (PyTorch's DataLoader(drop_last=True), as PFLlib and FedVLS's code); a client "
+                            "smaller than one batch still trains its one batch")
     optimiser: Optimiser = Field(default_factory=Optimiser)
     seeds: Seeds = Field(default_factory=Seeds)
     # execution and output
@@ -217,6 +225,52 @@ class RunConfig(Strict):
                         "simulation runtime, a SuperNode per client: docs/flower.md), or a plugin's")
     workers: int | Literal["auto"] = Field(1, description="processes training the clients (local engine): "
                                                     "1 (this process), N, or auto (the cores); docs/parallel.md")
+
+    # -- uploads, privacy, secure aggregation (issue 42: docs/transforms.md, docs/privacy.md) --
+    upload: list[dict[str, Any]] = Field(default_factory=list, description="update transforms each client applies to "
+                                         "its update before uploading, e.g. 'clip(norm=1.0) + topk(fraction=0.01, "
+                                         "error_feedback=true)' (fedlt list transforms)")
+    privacy: dict[str, Any] | None = Field(None, description="differential privacy: "
+                                           "'client_level(clip=1.0, noise_multiplier=1.1)' (central noise at the "
+                                           "server) or 'local(clip=..., noise_multiplier=...)' (docs/privacy.md)")
+    delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False,
+                                description="δ of the reported ε (default K^-1.1 for K clients)")
+    target_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                         description="calibrate the noise multiplier so that ε after all rounds is "
+                                                     "at most this (dp-accounting)")
+    secure_aggregation: bool = Field(False, description="pairwise additive masking of the uploads (Bonawitz et al. "
+                                     "2017): the server reads only their sum")
+
+    @model_validator(mode="after")
+    def _secure_aggregation_engine(self) -> "RunConfig":
+        if self.secure_aggregation and self.engine == "flower":
+            raise ValueError("secure_aggregation: not available on engine 'flower' (Flower's SecAgg+ is not wired "
+                             "in yet; fedlt's masking is a simulation on the local engine, docs/privacy.md)")
+        return self
+
+    @field_validator("upload", mode="before")
+    @classmethod
+    def _upload_chain(cls, value: Any) -> Any:
+        """A chain as on the CLI ("clip(norm=1) + topk(fraction=0.01)") or a list of specs, each checked."""
+        try:
+            specs = fedlt.transforms.parse_chain(value, "upload") if isinstance(value, str) else value
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        for spec in specs if isinstance(specs, list) else []:
+            if isinstance(spec, dict):  # anything else: pydantic names the field
+                _check_component(fedlt.transforms.REGISTRY, spec, "upload")
+        return specs
+
+    @field_validator("privacy", mode="before")
+    @classmethod
+    def _privacy_spec(cls, spec: Any) -> Any:
+        try:
+            return None if spec is None or spec in ("", "none") else fedlt.privacy.mechanism(spec).spec()
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        except ValidationError as exc:
+            raise ValueError(f"{parse_spec(spec, 'privacy')['name'] if isinstance(spec, str) else spec.get('name')}: "
+                             f"{describe(exc)}") from None
 
     loader_workers: int = Field(0, ge=0, le=64, description="DataLoader processes decoding images read from files "
                                 "(imagefolder) ahead of training and evaluation; 0: in the training process")
@@ -279,6 +333,30 @@ class RunConfig(Strict):
                                           description="MiB of client states kept in memory; above: one file per client")
     eval_batch: PositiveInt = Field(2048, le=MAX_BATCH)
     out: Path = Path("runs/latest")
+    # -- the authors' settings (issue 41, fedlt.algorithms.authors) --
+    preset: Literal["authors"] | None = Field(None, description="authors: the algorithm's authors' training settings "
+                                              "(optimiser, local epochs, batch size, drop_last, constants) for every "
+                                              "one not set explicitly (fedlt list algorithms NAME shows them)")
+    preset_settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="what the preset chose (filled in by fedlt): {key: {value, source}}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _authors_preset(cls, data: Any) -> Any:
+        """``preset = "authors"``: the algorithm's authors' settings fill every key the data does not
+        set (a flag, a config file's value), and the ones chosen are recorded in ``preset_settings``
+        (kept as recorded when a run's config.json is read back)."""
+        if not isinstance(data, dict) or data.get("preset") != "authors":
+            return data
+        algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
+        settings = authors_settings(algorithm) if isinstance(algorithm, str) else None
+        if settings is None:
+            raise ValueError(f"preset: {algorithm!r} declares no authors' settings (those that do: "
+                             f"{', '.join(sorted(AUTHORS))})")
+        filled, chosen = fill(data, settings)
+        if "preset_settings" not in data:
+            filled["preset_settings"] = chosen
+        return filled
 
     @model_validator(mode="before")
     @classmethod
@@ -380,6 +458,17 @@ class RunConfig(Strict):
                 raise ValueError(f"{spec['name']} is given twice")
             modes.append(spec)
         return True if [m["name"] for m in modes] == ["expected"] else modes if modes else False
+
+    @model_validator(mode="after")
+    def _parts_fit(self) -> "RunConfig":
+        """The parts' declared needs of the classifier (a head, a server step, a personal model)
+        against what it provides (fedlt.algorithms.compatibility), before anything is written."""
+        algorithm = fedlt.algorithms.create(self.algorithm, **self.algorithm_params)
+        try:
+            compatibility.check(self.algorithm, algorithm, [m["name"] for m in self.client_eval_modes()])
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _client_tests_for_the_modes(self) -> "RunConfig":

@@ -16,6 +16,7 @@ from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.losses import LossTerm
 from fedlt.partitioners import Partitioner
+from fedlt.transforms import Compressor, UpdateTransform
 
 __all__ = [
     # errors
@@ -29,4 +30,6 @@ __all__ = [
     "build_aggregator", "AggregatorSpec", "LossExpression",
     # split learning
     "ServerSide",
+    # update transforms (what a client does to its upload: docs/transforms.md)
+    "UpdateTransform", "Compressor",
 ]

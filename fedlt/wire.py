@@ -59,7 +59,20 @@ def _float_from_hex(text: Any) -> float:
 
 def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
     """``value`` as (JSON text, tensors of its raw bytes, uint8, 1-D, on the CPU)."""
-    arrays: list[torch.Tensor] = []
+    text, arrays = _encode(value, name, measure=False)
+    return text, arrays
+
+
+def size(value: Any, name: str = "value") -> int:
+    """The bytes of ``value``'s wire form — its JSON text (UTF-8) and its tensors' raw bytes, what
+    a transport moving the two parts sends (the Flower codec: fedlt.flower.codec) — counted
+    without copying a tensor (off the device or otherwise): the bytes_up / bytes_down of a round."""
+    text, nbytes = _encode(value, name, measure=True)
+    return len(text.encode()) + sum(nbytes)
+
+
+def _encode(value: Any, name: str, measure: bool) -> tuple[str, list[Any]]:
+    arrays: list[Any] = []
 
     def enc(v: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -75,7 +88,7 @@ def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
         if isinstance(v, np.bool_):
             return bool(v)
         if isinstance(v, torch.Tensor):
-            t = v.detach().cpu()
+            t = v.detach() if measure else v.detach().cpu()
             node = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
             # exact strides, not is_contiguous(): that ignores size-1 dimensions, whose strides still
             # tell a conv weight of one input channel in channels-last from the default layout
@@ -83,6 +96,9 @@ def encode(value: Any, name: str = "value") -> tuple[str, list[torch.Tensor]]:
             if order is not None:  # channels-last and other dense layouts keep their strides: kernels pick
                 node["stride"] = list(t.stride())  # their path by layout, so the numbers depend on it
                 t = t.permute(order)
+            if measure:
+                arrays.append(t.numel() * t.element_size())
+                return {"T": len(arrays) - 1, **node}
             t = t.contiguous()
             arrays.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
             return {"T": len(arrays) - 1, **node}

@@ -87,3 +87,18 @@ def test_a_run_with_cohort_equals_the_sequential_run(tmp_path):
     many = run(RunConfig(**settings, cohort=3, out=tmp_path / "many"))
     assert many["final"]["loss"] == pytest.approx(one["final"]["loss"], abs=1e-5)
     assert many["final"]["accuracy"] == one["final"]["accuracy"]
+    assert many["cohort_fallback"] is None and "cohort_fallback" not in one  # the cohort ran; none was asked
+
+
+def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, caplog):
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    settings = dict(TINY, model="mlp", algorithm="fedrep", rounds=2, cohort=4)
+    with caplog.at_level("WARNING", logger="fedlt"):
+        summary = run(RunConfig(**settings, out=tmp_path / "run"))
+    said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
+    assert len(said) == 1 and said[0].startswith("fedlt: --cohort 4 falls back to one client at a time: ")
+    assert "\n" not in said[0] and summary["cohort_fallback"] in said[0]
+    assert "overrides ClientUpdate" in summary["cohort_fallback"]

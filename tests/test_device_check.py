@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,10 +22,11 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     cpu = time.process_time()
     result = _script().main(["--dry-run", "--out", str(tmp_path / "check.json")])
     # CPU time, not wall time: the shared test machine's load must not fail it (idle: ~15 s wall)
-    assert time.process_time() - cpu < 30
+    assert time.process_time() - cpu < 40  # + the profile and ResNet-18 sections: ~8 s
     assert json.loads((tmp_path / "check.json").read_text())["sections"].keys() == result["sections"].keys()
     sections = result["sections"]
-    assert set(sections) == {"doctor", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist", "scala_s2", "bf16"}
+    assert set(sections) == {"doctor", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist", "scala_s2", "bf16",
+                             "profile", "resnet18_cifar"}
     assert not [name for name, s in sections.items() if "error" in s]
     assert result["device"] == "cpu" and result["dry_run"]
     assert sections["kernels"]["all_passed"]  # the Triton kernels under the interpreter
@@ -33,3 +36,10 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert all(timings[k]["seconds_per_round"] > 0 for k in ("device sequential", "device --cohort 10", "cpu sequential"))
     assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
     assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
+    for task in ("pfllib", "scala"):  # the profile's phases add up to the round (the rest is "other Python")
+        found = sections["profile"]["tasks"][task]
+        assert sum(p["cpu_s"] for p in found["phases"]) == pytest.approx(found["round_cpu_s"])
+        assert found["operators"]["python_ops"] > 0
+    assert sections["resnet18_cifar"]["seconds_per_round"] > 0
+    written = {p.name for p in tmp_path.iterdir()}  # everything under --out's directory, nothing elsewhere
+    assert {"check.json", "device_check_profile.json", "device_check_profile_pfllib.json"} <= written

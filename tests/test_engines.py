@@ -48,6 +48,11 @@ STATEFUL = [("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Ada
             # (FedRep's new-client head, trained there) and fine-tuned
             ("fedrep", {}, {"new_clients": 2})]
 
+# issue 42: client-level DP + compressed uploads (error feedback in the client states), with the
+# drops and the Flower resume of `every`: same model, states, bytes and ε on both engines
+PRIVATE = ("fedvls", {}, {"privacy": "client_level(clip=1.0, noise_multiplier=1.1)",
+                          "upload": "topk(fraction=0.1, error_feedback=true)"})
+
 # the runs the tests below read beside the contract's verdict: the FedAvg family, a server
 # optimiser, a stateful client loss (SGB's state persists on each client), SCALA's per-iteration
 # exchange; ("fedadam" is STATEFUL's FedAdam, the others are `every`'s cases, with dropped clients)
@@ -78,7 +83,7 @@ def simulation(tmp_path_factory, one_thread):
     # locally): its per-client fields are compared at round 2, and its resume, cut after round 1,
     # covers them. Evaluating between rounds is still checked on both engines by `stateful`
     # (eval_every=1) and on Flower by the run extended by a resume (its round 1 is a last round)
-    every = EngineCheck([*cheap.cases(installed), grouped],  # tests/cheap.py
+    every = EngineCheck([*cheap.cases(installed), grouped, PRIVATE],  # tests/cheap.py
                         root / "every", drops=True, resume=True, clients=4, train_limit=300, eval_every=2)
     stateful = EngineCheck(STATEFUL, root / "stateful", resume=False, eval_every=1)
     fedgrab = case_runs(every, "fedgrab")[1]
@@ -112,6 +117,20 @@ def test_every_registered_algorithm_gives_one_answer_on_every_engine_with_droppe
     assert {"example_fedcm", "example_feddc"} <= set(simulation.installed)  # the plugin's algorithms are among them
     assert simulation.grouped in [(name, params) for name, params, _ in simulation.every.cases]
     simulation.every.verify()
+
+
+@pytest.mark.xdist_group("ray")
+def test_private_compressed_uploads_count_the_same_bytes_and_epsilon_on_every_engine(simulation):
+    """The DP + top-k case of `every` (its models and states are compared by the contract): each
+    round's bytes_up / bytes_down (the wire size of what crossed: on Flower what the codec sent)
+    and ε are the local engine's exactly, with a client dropped in each round."""
+    name, params, own = PRIVATE
+    local, flower, *_ = next(runs for (n, p, o), runs in zip(simulation.every.cases, simulation.every.runs)
+                             if (n, p, o) == (name, params, own))
+    keys = ("bytes_up", "bytes_down", "epsilon", "dropped")
+    rows = [[{k: r[k] for k in keys} for r in map(json.loads, (Path(c.out) / "metrics.jsonl").read_text().splitlines())]
+            for c in (local, flower)]
+    assert rows[0] == rows[1] and all(r["epsilon"] > 0 and r["dropped"] for r in rows[0])
 
 
 @pytest.mark.xdist_group("ray")

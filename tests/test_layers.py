@@ -35,13 +35,13 @@ LAYERS: dict[str, int] = {
     # 0 bottom: errors, registry, spec, io, wire, rundir, context, plots, process start-up
     "fedlt": 0, "fedlt.errors": 0, "fedlt.registry": 0, "fedlt.spec": 0, "fedlt.io": 0, "fedlt.wire": 0,
     "fedlt.rundir": 0, "fedlt.context": 0, "fedlt.plots": 0, "fedlt.start_method": 0, "fedlt.safe_yaml": 0,
-    "fedlt.outputs": 0,
+    "fedlt.outputs": 0, "fedlt.bounds": 0,
     # 1 components and their registries
     "fedlt.datasets": 1, "fedlt.partitioners": 1, "fedlt.models": 1, "fedlt.losses": 1, "fedlt.aggregators": 1,
     "fedlt.augment": 1, "fedlt.availability": 1, "fedlt.posthoc": 1, "fedlt.metrics": 1, "fedlt.server_steps": 1,
-    "fedlt.client_tests": 1,
+    "fedlt.client_tests": 1, "fedlt.transforms": 1, "fedlt.privacy": 1,
     # 2 algorithms: message types, the runner protocol, the algorithms, the round policy
-    "fedlt.algorithms": 2, "fedlt.faults": 2,
+    "fedlt.algorithms": 2, "fedlt.faults": 2, "fedlt.uploads": 2,
     # 3 the run's configuration; engines known by name only
     "fedlt.config": 3,
     # 4 a run: its parts, loop, evaluation, checkpoint, signals

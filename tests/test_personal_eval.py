@@ -104,6 +104,20 @@ class Constant(nn.Module):
         return nn.functional.one_hot(torch.full((len(x),), self.label), self.num_classes).float()
 
 
+def test_global_local_in_one_pass_equals_the_per_client_loop(trained):
+    prep, states = trained
+    evaluation = ClientEvaluation(prep, LocalRunner(), states)
+    model = prep.algorithm.global_model()
+    one_pass = evaluation.global_local(model)
+    assert [s.cid for s in one_pass] == evaluation.clients == [0, 1, 2, 3]
+    shared = np.intersect1d(prep.client_tests.test_indices[0], prep.client_tests.test_indices[1])
+    assert len(shared)  # clients share test rows: each is scored once and counted for both
+    for scores in one_pass:
+        alone = evaluate_client(prep.algorithm, _task(prep, states, "global_local", cid=scores.cid))
+        assert torch.equal(scores.correct, alone.correct) and torch.equal(scores.total, alone.total)
+        assert scores.loss_sum == pytest.approx(alone.loss_sum, rel=1e-12)  # float64 sums in another order
+
+
 def test_personal_is_the_algorithms_own_model_and_the_global_one_without(trained):
     prep, states = trained
     task = _task(prep, states, "personal")

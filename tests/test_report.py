@@ -22,7 +22,8 @@ from fedlt.report import load_runs, rows
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-EVERY_ROUND = {"round", "train_loss", "participants", "sampled", "returned", "dropped", "train_s", "eval_s", "round_s"}
+EVERY_ROUND = {"round", "train_loss", "participants", "sampled", "returned", "dropped", "train_s", "eval_s", "round_s",
+               "bytes_up", "bytes_down"}  # the traffic of the round (issue 42, docs/transforms.md)
 ROUND_KEYS = EVERY_ROUND | {"accuracy", "balanced_accuracy", "loss", "per_class_accuracy", "many_accuracy",
                             "medium_accuracy", "few_accuracy"}
 

@@ -24,5 +24,5 @@ def preset(name: str, engine: type, doc: str, **defaults) -> None:
     register(name)(factory)
 
 
-from fedlt.algorithms import fedavg_family, fedgela, fedproto, fedrela, longtail, pfl, recalibrate, split, stateful  # noqa: E402,F401  (register the built-ins)
+from fedlt.algorithms import fedavg_family, fedgela, fedproto, fedrela, fedyoyo, longtail, pfl, recalibrate, split, stateful  # noqa: E402,F401  (register the built-ins)
 from fedlt.algorithms import personal  # noqa: E402,F401  (installs the runners' per-client evaluation)

@@ -99,7 +99,9 @@ class LocalSchedule:
 
     Iteration-based (SCALA): ``iters`` steps of ``batch`` samples drawn without replacement from a
     fresh permutation of the client's data, reshuffled when exhausted. Epoch-based (FedAvg
-    family papers): ``epochs`` passes over a fresh permutation each, last batch possibly smaller.
+    family papers): ``epochs`` passes over a fresh permutation each, last batch possibly smaller,
+    or left out with ``drop_last`` (PyTorch's ``DataLoader(drop_last=True)``; a client smaller than
+    one batch keeps its one batch, so every participant takes at least one step).
     """
 
     batch: int
@@ -111,6 +113,7 @@ class LocalSchedule:
     clip: float | None = 10.0
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
     precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
+    drop_last: bool = False  # epochs: leave out each epoch's last partial batch (config drop_last)
 
     def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
         """The index batches, drawn on the host from ``generator`` (the same on every device);
@@ -119,7 +122,8 @@ class LocalSchedule:
         if self.epochs is not None:
             for _ in range(self.epochs):
                 perm = to_device(torch.randperm(n, generator=generator), device)
-                yield from perm.split(self.batch)
+                full = n - n % self.batch if self.drop_last and n >= self.batch else n
+                yield from perm[:full].split(self.batch)
             return
         batch = min(self.batch, n)
         perm, pos = to_device(torch.randperm(n, generator=generator), device), 0
@@ -130,11 +134,27 @@ class LocalSchedule:
             pos += batch
 
     def optimiser(self, params) -> torch.optim.SGD:
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        """SGD with this schedule's settings; torch's fused kernel where every parameter allows it
+        (one pass over weights, gradients and momentum instead of four: the step was 12 % of the
+        PFLlib task's CPU round, docs/benchmarks.md). It rounds like the per-tensor path up to an
+        ulp (fused multiply-adds)."""
+        params = list(params)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
+                               fused=fusable(params) or None)
 
     def clip_(self, params) -> None:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+
+FUSED_SGD_DEVICES = ("cpu", "cuda")
+FUSED_SGD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def fusable(params: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused SGD takes these parameters: dense floating-point tensors on the CPU or CUDA."""
+    return bool(params) and all(p.device.type in FUSED_SGD_DEVICES and p.dtype in FUSED_SGD_DTYPES
+                                and not p.is_sparse for p in params)
 
 
 def forward_precision(precision: str, device: torch.device) -> AbstractContextManager:
@@ -214,6 +234,7 @@ class RunContext:
     augment: tuple[dict[str, Any], ...] = ()  # augmentation specs, normalize() statistics filled in (fedlt.augment.fit)
     precision: str = "fp32"  # "fp32" or "bf16" (docs/gpu.md)
     cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
+    drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:
@@ -233,7 +254,7 @@ class RunContext:
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
                              weight_decay=self.weight_decay, clip=self.clip, augment=self.augment,
-                             precision=self.precision)
+                             precision=self.precision, drop_last=self.drop_last)
 
 
 class Algorithm(Protocol):

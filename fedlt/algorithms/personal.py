@@ -41,6 +41,7 @@ from fedlt.algorithms.fedavg_family import ClientUpdate
 from fedlt.algorithms.protocol import CLIENT_CALLS, ClientTask
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
+from fedlt.metrics import forward_rows
 from fedlt.models import eval_mode
 from fedlt.spec import SpecModel
 
@@ -174,7 +175,7 @@ def eval_mode_of(spec: dict[str, Any]) -> EvalModeSpec:
         errors = getattr(exc, "errors", None)
         detail = errors()[0] if callable(errors) else None
         where = ".".join(str(p) for p in detail["loc"]) if detail and detail.get("loc") else ""
-        text = detail["msg"] if detail else str(exc).splitlines()[0]
+        text = detail["msg"].removeprefix("Value error, ") if detail else str(exc).splitlines()[0]
         raise FedltError(f"{name}: {where + ': ' if where else ''}{text}") from None
 
 
@@ -211,7 +212,7 @@ def score(model: Callable[[torch.Tensor], torch.Tensor], test: ClientData, num_c
     device = test.y.device
     correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    for idx in torch.arange(len(test), device=test.index_device).split(batch):
+    for idx in torch.arange(len(test), device=test.index_device).split(forward_rows(batch, device)):
         x, y = test.take(idx)
         logits = upcast(model(x.to(device)))
         hit = logits.argmax(1) == y
@@ -221,6 +222,34 @@ def score(model: Callable[[torch.Tensor], torch.Tensor], test: ClientData, num_c
     packed = torch.cat([correct.double(), total.double(), loss.view(1)]).cpu()  # exact: counts < 2**53
     counts = packed[:-1].to(torch.int64)
     return ClientScores(cid, counts[:num_classes], counts[num_classes:], float(packed[-1]))
+
+
+@torch.no_grad()
+def score_clients(model: Callable[[torch.Tensor], torch.Tensor], rows: ClientData, positions: list[torch.Tensor],
+                  cids: list[int], num_classes: int, batch: int) -> list[ClientScores]:
+    """:func:`score` of one model for many clients whose test sets are rows of one set: client
+    ``cids[k]`` tests on ``rows``' rows ``positions[k]``. One no-grad pass over ``rows`` (each
+    row once, however many clients share it), then every client's counts and summed
+    cross-entropy gathered at once, with one host synchronisation."""
+    device = rows.y.device
+    hits, losses = [], []
+    for idx in torch.arange(len(rows), device=rows.index_device).split(forward_rows(batch, device)):
+        x, y = rows.take(idx)
+        logits = upcast(model(x.to(device)))
+        hits.append(logits.argmax(1) == y)
+        losses.append(F.cross_entropy(logits.double(), y, reduction="none"))
+    hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=device)
+    loss = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64, device=device)
+    at = torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long, device=device)
+    owner = torch.repeat_interleave(torch.arange(len(positions), device=device),
+                                    torch.tensor([len(p) for p in positions], device=device))
+    cells, size = owner * num_classes + rows.y[at], len(positions) * num_classes
+    correct = torch.bincount(cells[hit[at]], minlength=size)
+    total = torch.bincount(cells, minlength=size)
+    summed = torch.zeros(len(positions), dtype=torch.float64, device=device).index_add_(0, owner, loss[at])
+    packed = torch.cat([correct.double(), total.double(), summed]).cpu()  # exact: counts < 2**53
+    counts = packed[:2 * size].to(torch.int64).view(2, len(positions), num_classes)
+    return [ClientScores(cid, counts[0, k], counts[1, k], float(packed[2 * size + k])) for k, cid in enumerate(cids)]
 
 
 def evaluate_client(algorithm: Any, task: EvalTask) -> ClientScores:

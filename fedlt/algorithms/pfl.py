@@ -43,12 +43,13 @@ from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
 from fedlt.algorithms.stateful import add_to_grad, features_of
+from fedlt.bounds import MAX_EPOCHS
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import classifier
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Epochs = Annotated[int, Field(ge=1)]
+Epochs = Annotated[int, Field(ge=1, le=MAX_EPOCHS)]
 PARTS = ("none", "all", "head", "body", "personal_head", "global")
 PERSONAL = "personal"  # the key of a client's own part in its state
 

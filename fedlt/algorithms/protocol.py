@@ -37,6 +37,7 @@ from fedlt.errors import first_line
 from fedlt.algorithms.base import ClientData, LocalSchedule
 from fedlt.algorithms.client_states import ClientStates  # noqa: F401  (re-exported: algorithms import it from here)
 from fedlt.context import ModelSpec, RoundContext
+from fedlt.privacy.upload import UploadPlan, client_upload
 
 State = dict[str, torch.Tensor]
 
@@ -61,6 +62,7 @@ class ClientTask:
     objective: str
     payload: dict[str, Any] = field(default_factory=dict)
     fault: str | None = None  # an injected fault (fedlt.availability's ``scripted``): "raise" or "nan"
+    upload: UploadPlan | None = None  # what the client does to its update before sending it (fedlt.privacy.upload)
 
     @property
     def round_index(self) -> int:
@@ -81,6 +83,8 @@ class ClientResult:
     train_loss: float = 0.0
     state: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+    packed: dict[str, Any] | None = None  # the update in its wire form, under a task's upload plan (then
+    # ``weights`` holds only the entries sent as they are); the server side opens it (fedlt.uploads)
 
 
 @dataclass
@@ -217,7 +221,21 @@ def run_client(algorithm: Any, task: ClientTask) -> ClientResult:
         raise InjectedFault(f"injected failure of client {task.cid} in round {task.round_index + 1}")
     with client_rng(task):
         result = algorithm.client_work(task)
-    return _with_injected_nan(task, result)
+    return uploaded(task, _with_injected_nan(task, result))
+
+
+def uploaded(task: ClientTask, result: ClientResult) -> ClientResult:
+    """The result as the client sends it: under the task's upload plan, its update Δ = θ − w
+    clipped, compressed, noised or masked (fedlt.privacy.upload), the transforms' state kept in
+    the client's state under ``"upload"``."""
+    if task.upload is None:
+        return result
+    kept, packed, chain_state = client_upload(
+        task.upload, task.weights, result.weights, task.state.get("upload", {}), cid=task.cid,
+        participants=task.context.participants, seed=task.context.sampling_seed, round_index=task.round_index,
+        num_samples=result.num_samples)
+    state = {k: v for k, v in result.state.items() if k != "upload"} | ({"upload": chain_state} if chain_state else {})
+    return dataclasses.replace(result, weights=kept, packed=packed, state=state)
 
 
 def _with_injected_nan(task: ClientTask, result: ClientResult) -> ClientResult:
@@ -259,7 +277,7 @@ class SeededSession:
         self._run("backward", grad)
 
     def finish(self) -> ClientResult:
-        return _with_injected_nan(self.task, self._run("finish"))
+        return uploaded(self.task, _with_injected_nan(self.task, self._run("finish")))
 
     def state_dict(self) -> dict[str, Any]:
         return {"session": self.session.state_dict(), "rng": self.rng}

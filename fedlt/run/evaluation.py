@@ -24,11 +24,12 @@ import torch
 
 import fedlt.posthoc
 from fedlt.algorithms.base import ClientData, NonFiniteLoss
-from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of
+from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of, score_clients
 from fedlt.algorithms.protocol import ClientFailure, ClientStates, evaluate_with
 from fedlt.algorithms.split import classifier_of
 from fedlt.metrics import client_metrics, evaluate, per_client_summary
-from fedlt.run.parts import client_data, client_test_data, group_classes
+from fedlt.models import eval_mode
+from fedlt.run.parts import client_data, client_test_data, group_classes, test_rows
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
 POSTHOC_KEYS = ("accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy", "few_accuracy")
@@ -108,7 +109,9 @@ class ClientEvaluation:
             done: dict[EvalModeSpec, list[Any]] = {}
             for mode in self.modes if clients else ():
                 run = self.runs_as(mode)
-                if run not in done:
+                if run not in done and isinstance(run, GlobalLocal):
+                    done[run] = self.global_local(model, clients)
+                elif run not in done:
                     done[run] = []
                     for start in range(0, len(clients), CHUNK):
                         tasks = [self.task(run, cid, number - 1, weights, classifier)
@@ -116,6 +119,22 @@ class ClientEvaluation:
                         done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
                 row.update(self.fields(prefix + mode.name, done[run], list(everyone)))
         return row
+
+    def global_local(self, model: torch.nn.Module, clients: list[int] | None = None) -> list[ClientScores]:
+        """``global_local`` for ``clients`` (default: the evaluated training clients) in one pass:
+        the global model scores each row any client tests on once (matched test sets are rows of
+        the test set, holdout parts rows of the training set), every client's numbers gathered
+        from those rows — the same as the per-client loop (tests/test_personal_eval.py), without
+        a pass per client."""
+        held, clients = self.prep.client_tests, self.clients if clients is None else clients
+        chosen = [np.asarray(held.test_indices[cid], dtype=np.int64) for cid in clients]
+        union, where = np.unique(np.concatenate(chosen) if chosen else np.zeros(0, np.int64), return_inverse=True)
+        x, y = test_rows(self.prep, union, self.device, self.source)
+        rows = ClientData(-1, x, y, torch.zeros(0, dtype=torch.int64))
+        positions = [torch.as_tensor(p) for p in np.split(where.reshape(-1), np.cumsum([len(c) for c in chosen])[:-1])]
+        with eval_mode(model):
+            return score_clients(model, rows, positions, clients, self.prep.ctx.num_classes,
+                                 self.prep.config.eval_batch)
 
     def runs_as(self, mode: EvalModeSpec) -> EvalModeSpec:
         """The mode whose tasks give ``mode``'s scores: ``personal`` of an algorithm that keeps no

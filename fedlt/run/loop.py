@@ -26,6 +26,7 @@ fedlt.run. The engines (fedlt.engine, fedlt.parallel, fedlt.flower) call ``run``
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,11 +40,14 @@ import fedlt.datasets
 import fedlt.partitioners
 from fedlt import io, rundir
 from fedlt.algorithms.base import NonFiniteLoss, from_spec
+from fedlt.algorithms.cohort import cohort_fallback
 from fedlt.algorithms.protocol import ClientRunner, copy_tensors
 from fedlt.config import RunConfig, recorded as recorded_config
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
+from fedlt.uploads import UploadRunner, UploadSettings
+from fedlt.uploads import summary as upload_summary
 from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
 from fedlt.run.evaluation import NEW, ClientEvaluation, Evaluator, Finished
@@ -51,6 +55,7 @@ from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore, st
 from fedlt.run.signals import RunStopped, stop_on_signal
 
 OnRound = Callable[[int, dict[str, Any]], None]
+LOG = logging.getLogger("fedlt")  # a notice of a choice made for the user: one line on stderr unless configured
 
 
 def check_model_finite(model: torch.nn.Module, where: str) -> None:
@@ -73,9 +78,11 @@ class RoundLoop:
         self.out = Path(config.out)
         self.on_round, self.stop_requested = on_round, stop_requested
         self.device = torch.device(config.device)
-        self.checkpoints = Checkpoints(self.out, config, prep, state)
+        self.uploads = UploadRunner(runner, UploadSettings.of(config))  # upload plan, bytes, DP, secure aggregation
+        self.uploads.load_state_dict(state.uploads)
+        self.checkpoints = Checkpoints(self.out, config, prep, state, server=self.uploads)
         self.availability = from_spec(fedlt.availability.REGISTRY, config.availability)
-        self.policy = PolicyRunner(runner, self.availability, config.faults, config.seeds.sampling)
+        self.policy = PolicyRunner(self.uploads, self.availability, config.faults, config.seeds.sampling)
         self.faults_possible = (config.faults.on_failure == "drop" or self.availability.acts
                                 or config.faults.round_timeout is not None)
         self.source = (images(prep.data.x_train).to(self.device), prep.data.y_train.to(self.device))
@@ -124,7 +131,7 @@ class RoundLoop:
             row: dict[str, Any] = {"round": r + 1, "participants": len(chosen),
                                    **parts.train_round(self.algorithm, self.prep.ctx, r, clients,
                                                        self.state.client_states, self.policy)}
-            row.update(self.policy.log.row())
+            row.update(self.policy.log.row() | self.uploads.row())
             check_model_finite(self.algorithm.global_model(), "aggregation")
             return row
         except RoundIncomplete as exc:
@@ -146,7 +153,7 @@ class RoundLoop:
             self.algorithm.load_state_dict(before[0])
             self.state.client_states.load_state_dict(before[1])
         row = {"round": r + 1, "participants": len(chosen), "skipped": str(exc)}
-        row.update(self.policy.log.row())
+        row.update(self.policy.log.row() | self.uploads.row())
         return row
 
     def explain(self, exc: Exception, r: int, chosen: list[int], before: Any) -> Exception:
@@ -286,6 +293,9 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
             bind = getattr(runner, "bind", None)
             if bind is not None:  # a runner with processes of its own (fedlt.parallel) gets the run's parts once
                 bind(prep)
+            fallback = cohort_fallback(runner, prep.algorithm, config.cohort)
+            if fallback is not None:  # said once, before the first round (and kept in summary.json)
+                LOG.warning(f"fedlt: --cohort {config.cohort} falls back to one client at a time: {fallback}")
             if on_start is not None:
                 on_start(state.round)
             RoundLoop(prep, state, runner, on_round, stop_requested).run()
@@ -294,6 +304,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
                 rundir.discard_unstarted(Path(config.out))
             raise
         summary = summarise(state, config, prep)
+        if config.cohort > 1:
+            summary["cohort_fallback"] = fallback or getattr(runner, "first_fallback", None)
         io.write_json(Path(config.out) / "summary.json", summary)
         return summary
 
@@ -314,7 +326,7 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
                  | {"per_class_accuracy": final["per_class_accuracy"]},
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
-    } | per_client_summaries(evaluated, config)
+    } | upload_summary(state.metrics, config) | per_client_summaries(evaluated, config)
 
 
 def per_client_summaries(evaluated: list[dict[str, Any]], config: RunConfig) -> dict[str, Any]:

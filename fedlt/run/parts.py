@@ -24,6 +24,7 @@ import fedlt.algorithms
 import fedlt.augment
 import fedlt.client_tests
 import fedlt.datasets
+import fedlt.models
 import fedlt.partitioners
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
@@ -145,6 +146,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         sampling_seed=config.seeds.sampling, device=device, model=model_spec, global_counts=counts.sum(0).to(device),
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
+        drop_last=config.drop_last,  # issue 41
     )
 
 
@@ -171,6 +173,8 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
     training = counts[:config.clients]  # what the federation trains on: the new clients' parts aside
     ctx = run_context(config, model_spec, input_shape, training, augment)
+    fedlt.models.check_fits(config.model, in_chans=input_shape[0], num_classes=data.num_classes,
+                            image_size=input_shape[-1])  # one sample's shape through the model, on meta
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)
     algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
@@ -220,17 +224,26 @@ def client_test_data(prep: Prepared, cid: int, device: torch.device,
     held = prep.client_tests
     if held is None:
         raise FedltError("per-client evaluation needs client test sets: set client_test (docs/evaluation.md)")
+    x, y = test_rows(prep, held.test_indices[cid], device, source)
+    counts = torch.as_tensor(held.class_counts[cid], dtype=torch.int64)
+    return ClientData(cid, x, y, counts.to(device))
+
+
+def test_rows(prep: Prepared, rows: np.ndarray, device: torch.device,
+              source: tuple[Any, torch.Tensor] | None = None) -> tuple[Any, torch.Tensor]:
+    """Rows ``rows`` of the set the client test sets are drawn from (the test set; the training
+    set for a holdout, then in the test set's evaluation form), on ``device``."""
+    held = prep.client_tests
     if held.source == "test":
         x, y = prep.data.x_test, prep.data.y_test
     else:
         x, y = source if source is not None else (prep.data.x_train, prep.data.y_train)
-    idx = torch.as_tensor(held.test_indices[cid], dtype=torch.long, device=y.device)
+    idx = torch.as_tensor(rows, dtype=torch.long, device=y.device)
     chosen = images(x).subset(idx)
     pipeline = fedlt.augment.build(prep.ctx.augment)
     if held.source == "train" and pipeline.changes_eval:  # training images, tested as the test set is
         chosen = pipeline.eval_all(chosen)
-    counts = torch.as_tensor(held.class_counts[cid], dtype=torch.int64)
-    return ClientData(cid, images(chosen).to(device), y[idx].to(device), counts.to(device))
+    return images(chosen).to(device), y[idx].to(device)
 
 
 def check_split_point(model: torch.nn.Module, config: RunConfig) -> None:

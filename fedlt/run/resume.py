@@ -39,6 +39,7 @@ class RunState:
     client_states: ClientStates = field(default_factory=ClientStates)
     checkpoint_round: int | None = None  # the round of the checkpoint on disk, if any
     data_fingerprint: str = ""  # fedlt.datasets.fingerprint of the inputs the run trains on (checked on resume)
+    uploads: dict = field(default_factory=dict)  # the server's upload state: DP accountant, adaptive clip (fedlt.uploads)
     stop_signal: int | None = field(default=None, repr=False)
 
 
@@ -137,20 +138,23 @@ def restore(prep: Any, saved: dict, path: Path, config: RunConfig, data_fingerpr
         raise FedltError(f"{path} holds damaged client states ({first_line(exc)[:200]})") from None
     client_states.check(path)
     return RunState(saved["round"], list(saved["metrics"]), saved["wall_time"], client_states,
-                    checkpoint_round=saved["round"], data_fingerprint=data_fingerprint)
+                    checkpoint_round=saved["round"], data_fingerprint=data_fingerprint,
+                    uploads=dict(saved.get("uploads", {})))
 
 
 class Checkpoints:
     """Writes the run's checkpoint (``checkpoint.pt`` + ``checkpoint.json``) and says which one
     stands when a run ends early."""
 
-    def __init__(self, out: Path, config: RunConfig, prep: Any, state: RunState) -> None:
+    def __init__(self, out: Path, config: RunConfig, prep: Any, state: RunState, server: Any = None) -> None:
+        """``server``: what else holds server state (fedlt.uploads' runner: DP accountant, clip norm)."""
         self.path = out / "checkpoint.pt"
-        self.out, self.config, self.prep, self.state = out, config, prep, state
+        self.out, self.config, self.prep, self.state, self.server = out, config, prep, state, server
 
     def snapshot(self) -> dict[str, Any]:
-        """The algorithm's and the clients' states as they are now."""
-        return {"algorithm": self.prep.algorithm.state_dict(), "client_states": self.state.client_states.state_dict()}
+        """The algorithm's, the clients' and the uploads' states as they are now."""
+        return {"algorithm": self.prep.algorithm.state_dict(), "client_states": self.state.client_states.state_dict(),
+                "uploads": self.server.state_dict() if self.server is not None else {}}
 
     def save(self, snapshot: dict[str, Any] | None = None) -> None:
         """The run at ``state.round``; ``snapshot``: the states as they were at that round's end,

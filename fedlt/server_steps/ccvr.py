@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedlt import bounds
 from fedlt.datasets.source import to_device
 from fedlt.server_steps import (Batches, Head, _positive, _positive_int, features, head_state, register,
                                 retrain_classifier)
@@ -85,17 +86,20 @@ class CCVRStep:
     """
 
     fresh = True
+    requires = frozenset({"linear"})  # re-trains h·Wᵀ + b on the classifier's input features
 
     def __init__(self, *, samples_per_class: int = 200, epochs: int = 1, batch_size: int = 32, lr: float = 0.01,
                  every: int = 1) -> None:
-        self.samples_per_class = _positive_int("ccvr", "samples_per_class", samples_per_class)
+        self.samples_per_class = _positive_int("ccvr", "samples_per_class", samples_per_class, bounds.MAX_SAMPLES)
         self.epochs = _positive_int("ccvr", "epochs", epochs)
-        self.batch_size = _positive_int("ccvr", "batch_size", batch_size)
+        self.batch_size = _positive_int("ccvr", "batch_size", batch_size, bounds.MAX_SAMPLES)
         self.lr = _positive("ccvr", "lr", lr)
-        self.every = _positive_int("ccvr", "every", every)
+        self.every = _positive_int("ccvr", "every", every, bounds.MAX_ROUNDS)
 
     def setup(self, head: nn.Linear, generator: torch.Generator | None = None) -> None:
-        pass
+        classes, d = head.weight.shape  # the virtual features of every class, float64, at once
+        bounds.tensor_bytes("ccvr", (classes * self.samples_per_class, d), 8,
+                            f"samples_per_class={self.samples_per_class} × {classes} classes on {d} features")
 
     def due(self, round_index: int, rounds: int) -> bool:
         return (round_index + 1) % self.every == 0 or round_index == rounds - 1

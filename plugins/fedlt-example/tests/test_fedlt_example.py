@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedlt.errors import FedltError
-from fedlt.testing import check_aggregator, check_algorithm, check_loss_term, check_model, check_partitioner
+from fedlt.testing import (check_aggregator, check_algorithm, check_loss_term, check_model, check_partitioner,
+                           check_transform)
 from fedlt_example.poly import Poly1
 from fedlt_example.zipf import Zipf, zipf_sizes
 
@@ -155,3 +156,32 @@ def test_grouped_is_sequential_with_groups_of_one_and_concat_with_one_group(tmp_
     run(RunConfig(**common, algorithm_params={"server": f"grouped(size={size})"}, out=tmp_path / "grouped"))
     a, b = (io.load_checkpoint(tmp_path / d / "checkpoint.pt")["algorithm"]["model"] for d in ("builtin", "grouped"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("params", [{}, {"fraction": 0.5, "error_feedback": True}])
+def test_randk_passes_the_transform_contract(params):
+    check_transform("randk", params)
+
+
+def test_randk_is_unbiased_and_runs_as_an_upload(tmp_path):
+    """E[rand_k(v)] = v: the mean of 400 draws is within 5 standard errors of v on every
+    coordinate (a coordinate is sent with probability k/d, scaled by d/k); and a run takes it by
+    its registered name with fedlt unchanged, its uploads about fraction·2 of the dense ones."""
+    import json
+
+    import fedlt.transforms
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+
+    v = {"x": torch.randn(40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)}
+    t, n = fedlt.transforms.create("randk", fraction=0.25), 400
+    torch.manual_seed(0)
+    mean = sum(t.apply(v, {})[0]["x"] for _ in range(n)) / n
+    std_one = v["x"].abs() * math.sqrt(1 / 0.25 - 1)  # a draw's std: |v|·√(d/k − 1)
+    assert bool(((mean - v["x"]).abs() <= 5 * std_one / math.sqrt(n) + 1e-12).all())
+    common = dict(algorithm="fedavg", model="mlp", clients=2, participation=1.0, rounds=1, train_limit=100,
+                  test_limit=50, local_epochs=1, batch_size=50, partition={"name": "iid"})
+    run(RunConfig(**common, out=tmp_path / "plain"))
+    run(RunConfig(**common, upload="randk(fraction=0.05)", out=tmp_path / "randk"))
+    up = [json.loads((tmp_path / d / "metrics.jsonl").read_text())["bytes_up"] for d in ("plain", "randk")]
+    assert up[1] < 0.12 * up[0]

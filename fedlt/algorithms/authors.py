@@ -1,0 +1,221 @@
+"""The authors' training settings of each method, each with the line of their code it comes from.
+
+fedlt's run defaults (SGD momentum 0.9, weight decay 5e-4, total gradient-norm clip 10, the last
+partial batch trained) are SCALA's; most methods' authors train otherwise. An algorithm declares
+here what its authors' code does, so that ``fedlt run --algo X --preset authors`` runs their
+settings (explicit values still win), ``fedlt list algorithms X`` shows where fedlt's defaults
+differ, and a run says in one line when its settings are not its authors'.
+
+A setting's key is the RunConfig path it sets (``optimiser.lr``, ``local_epochs``,
+``algorithm_params.head_epochs``); its source is ``repository@commit:file:line``. A plugin declares
+its own with :func:`declare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedlt.errors import FedltError
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # the RunConfig path it sets, e.g. "optimiser.momentum"
+    value: Any
+    source: str  # repository@commit:file:line
+
+
+@dataclass(frozen=True)
+class AuthorsSettings:
+    algorithm: str
+    code: str  # repository@commit
+    settings: tuple[Setting, ...]
+    note: str = ""
+
+    def as_config(self) -> dict[str, Any]:
+        """The settings as a nested RunConfig table (``{"optimiser": {"lr": ...}, ...}``)."""
+        out: dict[str, Any] = {}
+        for s in self.settings:
+            *parents, leaf = s.key.split(".")
+            node = out
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = s.value
+        return out
+
+
+AUTHORS: dict[str, AuthorsSettings] = {}
+PRESETS = ("authors",)
+
+
+def declare(algorithm: str, code: str, settings: dict[str, tuple[Any, str]], note: str = "") -> None:
+    """Declare ``algorithm``'s authors' settings: ``{key: (value, "file:line")}``, each file of
+    ``code`` (``repository@commit``)."""
+    if algorithm in AUTHORS:
+        raise FedltError(f"the authors' settings of {algorithm!r} are declared twice")
+    AUTHORS[algorithm] = AuthorsSettings(algorithm, code, tuple(Setting(k, v, f"{code}:{where}")
+                                                                for k, (v, where) in settings.items()), note)
+
+
+def authors_settings(algorithm: str) -> AuthorsSettings | None:
+    return AUTHORS.get(algorithm)
+
+
+def lookup(config: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """``(present, value)`` of a dotted ``key`` in a nested table of settings."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def fill(data: dict[str, Any], settings: AuthorsSettings) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``data`` with every one of ``settings`` it does not set itself filled in (what the user set
+    wins), and the settings chosen this way, ``{key: {"value": ..., "source": ...}}``."""
+    chosen: dict[str, dict[str, Any]] = {}
+    out = dict(data)
+    for s in settings.settings:
+        *parents, leaf = s.key.split(".")
+        node = out
+        for p in parents:
+            child = node.get(p, {})
+            if not isinstance(child, dict):  # a settings object given whole (Python): the user's, untouched
+                break
+            node[p] = node = dict(child)
+        else:
+            if leaf not in node:
+                node[leaf] = s.value
+                chosen[s.key] = {"value": s.value, "source": s.source}
+    return out, chosen
+
+
+def differences(algorithm: str, effective: dict[str, Any]) -> list[tuple[Setting, Any]]:
+    """The authors' settings of ``algorithm`` that ``effective`` (a whole RunConfig as a table)
+    does not follow: ``(their setting, the value used)`` each."""
+    settings = AUTHORS.get(algorithm)
+    if settings is None:
+        return []
+    out = []
+    for s in settings.settings:
+        present, value = lookup(effective, s.key)
+        if present and not _same(value, s.value):
+            out.append((s, value))
+    return out
+
+
+def differences_line(algorithm: str, effective: dict[str, Any]) -> str | None:
+    """One line naming the settings of this run that differ from ``algorithm``'s authors', or None."""
+    diffs = differences(algorithm, effective)
+    if not diffs:
+        return None
+    items = ", ".join(f"{s.key.split('.')[-1]} {_show(used)} (theirs {_show(s.value)})" for s, used in diffs)
+    if effective.get("preset") == "authors":
+        return f"note: {algorithm} runs its authors' settings ({AUTHORS[algorithm].code}) except {items}, as set"
+    return (f"note: {algorithm} runs with fedlt's settings, not its authors' ({AUTHORS[algorithm].code}): {items}; "
+            f"--preset authors runs theirs")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else f"{value:g}" \
+        if isinstance(value, float) else str(value)
+
+
+# -- the declarations -----------------------------------------------------------------------------
+# Read at the commits below; "no X" lines point at the optimiser or loop that has none.
+
+FEDGRAB = "github.com/ZackZikaiXiao/FedGraB@7394da67dc313ee2dddf82bf19ba100778709100"
+declare("fedgrab", FEDGRAB, {
+    "optimiser.lr": (0.03, "options.py:11"),
+    "optimiser.momentum": (0.5, "options.py:12"),
+    "optimiser.weight_decay": (0.0, "util/update_baseline.py:98"),  # SGD(lr, momentum) only
+    "optimiser.clip": (None, "util/update_baseline.py:119"),  # backward, then step: no clipping
+    "local_epochs": (5, "options.py:7"),
+    "batch_size": (5, "README.md:24"),  # both usage commands; options.py:10's default is 10
+    "drop_last": (False, "util/update_baseline.py:49"),
+}, note="their loop steps the backbone only (util/update_baseline.py:98): the classifier stays as received "
+        "(docs/replay.md)")
+
+FEDVLS = "github.com/krumpguo/FedVLS@7d8163f4410ecef565a1d4e27703cd4bcab403d5"
+declare("fedvls", FEDVLS, {
+    "optimiser.lr": (0.01, "README.md:51"),
+    "optimiser.momentum": (0.9, "system/flcore/clients/clientvls.py:41"),
+    "optimiser.weight_decay": (0.0, "system/flcore/clients/clientvls.py:23"),  # forced, whatever -ed says
+    "optimiser.clip": (None, "system/flcore/clients/clientvls.py:41"),
+    "local_epochs": (10, "README.md:51"),
+    "batch_size": (64, "system/data/generate_mnist.py:127"),
+    "drop_last": (True, "system/data/generate_mnist.py:127"),
+})
+
+FEDETF = "github.com/ZexiLee/ICCV-2023-FedETF@092ace3471d0489c432fcde811ed7b7081042720"
+declare("fedetf", FEDETF, {
+    "optimiser.lr": (0.04, "args.py:54"),
+    "optimiser.momentum": (0.9, "args.py:58"),
+    "optimiser.weight_decay": (5e-4, "args.py:56"),
+    "optimiser.clip": (None, "utils.py:267"),
+    "local_epochs": (3, "args.py:24"),
+    "batch_size": (128, "args.py:10"),
+    "drop_last": (False, "nodes.py:112"),
+})
+
+FEDLOGE = "github.com/ZackZikaiXiao/FedLoGe@f4cac5260b73236b1ec0afd855e7d0a6ccbeebbc"
+declare("fedloge", FEDLOGE, {
+    "optimiser.lr": (0.03, "options.py:16"),
+    "optimiser.momentum": (0.5, "options.py:17"),
+    "optimiser.weight_decay": (0.0, "util/update_baseline.py:337"),
+    "optimiser.clip": (None, "util/update_baseline.py:337"),
+    "local_epochs": (5, "options.py:11"),
+    "batch_size": (8, "options.py:15"),
+    "drop_last": (False, "util/update_baseline.py:50"),
+})
+
+FEDNPC = "github.com/JintongGao/FedNPC@48ad8d1d253bed81c47c8650aae8b454437a138b"
+declare("fednpc", FEDNPC, {
+    "optimiser.lr": (0.1, "FedAvg-FedNPC.py:31"),
+    "optimiser.momentum": (0.0, "FedAvg-FedNPC.py:112"),
+    "optimiser.weight_decay": (0.0, "FedAvg-FedNPC.py:112"),
+    "optimiser.clip": (None, "FedAvg-FedNPC.py:136"),
+    "local_epochs": (10, "FedAvg-FedNPC.py:28"),
+    "batch_size": (32, "FedAvg-FedNPC.py:29"),
+    "drop_last": (False, "FedAvg-FedNPC.py:125"),
+})
+
+CREFF = "github.com/shangxinyi/CReFF-FL@fbec98f1a49dfb8d9f346d98bf3f9568d9004687"
+declare("creff", CREFF, {
+    "optimiser.lr": (0.1, "options.py:24"),
+    "optimiser.momentum": (0.0, "main.py:173"),
+    "optimiser.weight_decay": (0.0, "main.py:173"),
+    "optimiser.clip": (None, "main.py:250"),
+    "local_epochs": (10, "options.py:15"),
+    "batch_size": (32, "options.py:16"),
+    "drop_last": (False, "main.py:241"),
+})
+
+# The personalised methods as PFLlib runs them (its main.py defaults and clientbase's plain SGD
+# over loaders that drop the last partial batch); the method constants fedlt's defaults already
+# take from the methods' own authors (docs/algorithms.md) are left as they are.
+PFLLIB = "github.com/TsingZ0/PFLlib@d832e76f6a23b833038949ec1e4fdefe63a4d350"
+_PFLLIB_TRAINING = {
+    "optimiser.lr": (0.005, "system/main.py:400"),
+    "optimiser.momentum": (0.0, "system/flcore/clients/clientbase.py:47"),
+    "optimiser.weight_decay": (0.0, "system/flcore/clients/clientbase.py:47"),
+    "optimiser.clip": (None, "system/flcore/clients/clientbase.py:47"),
+    "local_epochs": (1, "system/main.py:407"),
+    "batch_size": (10, "system/main.py:399"),
+    "drop_last": (True, "system/flcore/clients/clientbase.py:59"),
+}
+for _name, _extra in {
+    "fedper": {}, "lg_fedavg": {}, "fedrod": {}, "ditto": {}, "apfl": {},
+    "fedrep": {"algorithm_params.head_epochs": (1, "system/main.py:467")},
+    "fedbabu": {"algorithm_params.finetune_epochs": (10, "system/main.py:471")},
+    "fedavg_ft": {"algorithm_params.finetune_epochs": (10, "system/main.py:471")},
+}.items():
+    declare(_name, PFLLIB, {**_PFLLIB_TRAINING, **_extra})

@@ -1,0 +1,195 @@
+"""Differential privacy for federated runs (SPEC §9, docs/privacy.md): the mechanisms that
+``--privacy`` names and the accountant that turns them into ε at the run's δ.
+
+- ``client_level(clip, noise_multiplier)``: DP-FedAvg (McMahan et al. 2018): each participant's
+  update clipped to C (over all tensors together), the server averages with the fixed denominator
+  qK (the expected number of participants; data-size weights would leak |D_k|) and adds
+  N(0, (σC/(qK))²) to every coordinate of the average. ``adaptive=true``: C follows the
+  ``target_quantile`` of the update norms (Andrew et al. 2021, Alg. 1): each participant also
+  sends b_k = 1[‖Δ_k‖ ≤ C]; the server forms b̄ = (Σ b_k + N(0, σ_b²))/(qK) and sets
+  C ← C·exp(−η_C·(b̄ − γ)); the update's noise multiplier becomes σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2)
+  so that both releases together cost what σ alone would (their Theorem 1).
+- ``local(clip, noise_multiplier)``: each participant clips to C and adds N(0, (σC)²) itself
+  before uploading (no trusted server).
+
+Accounting: Google's ``dp-accounting`` (RDP accountant) — never a formula of fedlt's. fedlt samples
+round(qK) clients without replacement each round, so the event is the library's
+``SampledWithoutReplacementDpEvent`` under its REPLACE_ONE relation, where one client's change moves
+the clipped sum by up to 2C: the library's noise multiplier (std / sensitivity) is σ/2.
+``local`` releases every client's own noised update each round it takes part: per client, a
+Gaussian mechanism composed over the rounds it could be sampled in (the accountant's bound for the
+worst client, sampled every round).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedlt.errors import FedltError
+from fedlt.spec import SpecModel, parse_spec
+
+Sampling = Literal["fixed", "poisson"]
+
+
+class Mechanism(SpecModel):
+    """A DP mechanism's parameters (``--privacy name(...)``)."""
+
+    name: ClassVar[str] = "mechanism"
+    central: ClassVar[bool] = True
+    clip: float = Field(1.0, gt=0, allow_inf_nan=False, description="C: the L2 bound of each client's update")
+    noise_multiplier: float = Field(1.0, gt=0, allow_inf_nan=False, description="σ: noise std in units of C")
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params()}
+
+
+class ClientLevel(Mechanism):
+    """Central client-level DP (DP-FedAvg, McMahan et al. 2018), optionally with adaptive clipping
+    (Andrew et al. 2021)."""
+
+    name: ClassVar[str] = "client_level"
+    adaptive: bool = Field(False, description="adapt C to the target quantile of the update norms (Andrew et al. 2021)")
+    target_quantile: float = Field(0.5, gt=0, lt=1, allow_inf_nan=False, description="γ: the share of updates left unclipped")
+    clip_lr: float = Field(0.2, gt=0, allow_inf_nan=False, description="η_C: the geometric step of the clip norm")
+    count_noise: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                      description="σ_b: noise std of the unclipped count (default qK/20, the paper's)")
+
+    def count_std(self, expected: float) -> float:
+        return self.count_noise if self.count_noise is not None else expected / 20
+
+    def update_multiplier(self, expected: float) -> float:
+        """σ_Δ: the update's noise multiplier once the count's release is paid for (Andrew et al. Thm 1)."""
+        if not self.adaptive:
+            return self.noise_multiplier
+        rest = self.noise_multiplier ** -2 - (2 * self.count_std(expected)) ** -2
+        if rest <= 0:
+            raise FedltError(f"privacy: client_level's count_noise {self.count_std(expected):g} is too small for "
+                             f"noise_multiplier {self.noise_multiplier:g} (need 2·σ_b > σ)")
+        return rest ** -0.5
+
+
+class Local(Mechanism):
+    """Local client-level DP: each client clips to C and adds N(0, (σC)²) to its own upload."""
+
+    name: ClassVar[str] = "local"
+    central: ClassVar[bool] = False
+
+
+MECHANISMS: dict[str, type[Mechanism]] = {"client_level": ClientLevel, "local": Local}
+
+
+def mechanism(spec: str | dict[str, Any]) -> Mechanism:
+    """The mechanism a ``--privacy`` spec names (one-line FedltError for anything else)."""
+    spec = parse_spec(spec, "--privacy") if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name", None)
+    if name not in MECHANISMS:
+        hint = (" (sample-level DP-SGD is not built yet)" if name == "sample_level" else "")
+        raise FedltError(f"privacy: unknown mechanism {name!r}{hint} (valid: {', '.join(MECHANISMS)})")
+    return MECHANISMS[name](**spec)
+
+
+# -- accounting -------------------------------------------------------------------------------------
+def _accountant_library():
+    try:
+        import dp_accounting  # noqa: PLC0415  (optional: the privacy extra)
+        from dp_accounting.rdp import rdp_privacy_accountant  # noqa: PLC0415
+    except ImportError:
+        raise FedltError("privacy accounting needs Google's dp-accounting: pip install 'fedlt[privacy]' "
+                         "(or pip install --no-deps dp-accounting==0.6.0)") from None
+    return dp_accounting, rdp_privacy_accountant
+
+
+def subsampled_gaussian_event(noise_multiplier: float, steps: int, population: int, sample: int,
+                              sampling: Sampling = "fixed") -> Any:
+    """The dp-accounting event of ``steps`` rounds of the subsampled Gaussian mechanism:
+    ``fixed``: ``sample`` of ``population`` without replacement (replace-one: multiplier σ/2);
+    ``poisson``: each member with probability sample/population (add/remove: multiplier σ)."""
+    dp, _ = _accountant_library()
+    if sampling == "poisson":
+        inner = dp.PoissonSampledDpEvent(sample / population, dp.GaussianDpEvent(noise_multiplier))
+    else:
+        inner = dp.SampledWithoutReplacementDpEvent(population, sample, dp.GaussianDpEvent(noise_multiplier / 2))
+    return dp.SelfComposedDpEvent(inner, steps)
+
+
+def _relation(sampling: Sampling) -> Any:
+    dp, _ = _accountant_library()
+    return dp.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else dp.NeighboringRelation.REPLACE_ONE
+
+
+@functools.lru_cache(maxsize=64)
+def round_rdp(noise_multiplier: float, population: int, sample: int,
+              sampling: Sampling = "fixed") -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(orders, RDP at each order) of ONE round, as dp-accounting's RdpAccountant computes it (its
+    default orders). The library composes rounds additively — ``SelfComposedDpEvent(e, n)`` is
+    n × e's curve — so fedlt asks it once per setting (the sampled-without-replacement curve takes
+    seconds) and composes by that same product (bit-identical: tests/test_privacy.py)."""
+    _, rdp = _accountant_library()
+    accountant = rdp.RdpAccountant(neighboring_relation=_relation(sampling))
+    accountant.compose(subsampled_gaussian_event(noise_multiplier, 1, population, sample, sampling))
+    return tuple(float(o) for o in accountant._orders), tuple(float(v) for v in accountant._rdp)
+
+
+def epsilon(noise_multiplier: float, steps: int, population: int, sample: int, delta: float,
+            sampling: Sampling = "fixed") -> float:
+    """ε at δ after ``steps`` rounds, from dp-accounting's RDP accountant (0 before any round)."""
+    if steps == 0:
+        return 0.0
+    _, rdp = _accountant_library()
+    orders, curve = round_rdp(noise_multiplier, population, sample, sampling)
+    return float(rdp.compute_epsilon(np.asarray(orders), steps * np.asarray(curve), delta)[0])
+
+
+def calibrate(target_epsilon: float, delta: float, steps: int, population: int, sample: int,
+              sampling: Sampling = "fixed", tol: float = 1e-3) -> float:
+    """The smallest σ (to ``tol``) whose ε after ``steps`` rounds is at most ``target_epsilon``
+    (dp-accounting's ``calibrate_dp_mechanism``)."""
+    dp, rdp = _accountant_library()
+    from dp_accounting import mechanism_calibration  # noqa: PLC0415
+
+    return float(mechanism_calibration.calibrate_dp_mechanism(
+        lambda: rdp.RdpAccountant(neighboring_relation=_relation(sampling)),
+        lambda sigma: subsampled_gaussian_event(sigma, steps, population, sample, sampling),
+        target_epsilon, delta, mechanism_calibration.LowerEndpointAndGuess(0.1, 1.0), tol=tol))
+
+
+def default_delta(clients: int) -> float:
+    """δ = K^−1.1 for K clients: below 1/K, as a client-level guarantee needs (SPEC §9)."""
+    return float(clients) ** -1.1
+
+
+class Accountant:
+    """The run's privacy ledger: the rounds composed so far (its state, in the checkpoint) and ε
+    at δ after them. ``local`` composes a plain Gaussian over every round (the worst client, in
+    each one); the central mechanisms the subsampled one over the rounds."""
+
+    def __init__(self, mech: Mechanism, clients: int, per_round: int, delta: float) -> None:
+        self.mech, self.clients, self.per_round, self.delta = mech, clients, per_round, delta
+        self.multiplier = mech.update_multiplier(per_round) if isinstance(mech, ClientLevel) else mech.noise_multiplier
+        self.rounds = 0
+
+    def step(self) -> float:
+        self.rounds += 1
+        return self.epsilon()
+
+    def epsilon(self) -> float:
+        if self.mech.central:
+            return epsilon(self.multiplier, self.rounds, self.clients, self.per_round, self.delta)
+        # local: each release is a Gaussian of std σC on a C-bounded update, the worst client in every round
+        return epsilon(self.multiplier, self.rounds, 1, 1, self.delta)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"rounds": torch.tensor(self.rounds, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state["rounds"]) if "rounds" in state else 0
+
+
+def finite_or_inf(value: float) -> float:
+    return value if math.isfinite(value) else float("inf")

@@ -1,0 +1,88 @@
+"""The authors' settings (issue 41): ``drop_last`` as a run setting, ``--preset authors``, the
+differences a run names at its start and ``fedlt list algorithms NAME`` shows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fedlt.algorithms
+from fedlt.algorithms.authors import AUTHORS, differences, differences_line, lookup
+from fedlt.algorithms.base import LocalSchedule
+from fedlt.cli import main
+from fedlt.config import RunConfig
+
+SOURCE = re.compile(r"^github\.com/[\w.-]+/[\w.-]+@[0-9a-f]{40}:[\w./-]+:\d+$")
+
+
+@pytest.mark.parametrize("name", sorted(AUTHORS))
+def test_every_declaration_names_a_registered_algorithm_and_applies(name):
+    """Each declared setting has a pinned source line, and the preset sets exactly it."""
+    assert name in fedlt.algorithms.list()
+    settings = AUTHORS[name]
+    cfg = RunConfig.model_validate({"algorithm": name, "preset": "authors"})
+    effective = cfg.model_dump(mode="json")
+    for s in settings.settings:
+        assert SOURCE.match(s.source), s.source
+        assert lookup(effective, s.key) == (True, s.value), s.key
+        assert cfg.preset_settings[s.key] == {"value": s.value, "source": s.source}
+    assert differences(name, effective) == [] and differences_line(name, effective) is None
+
+
+def test_explicit_values_win_and_the_record_survives_a_reload():
+    data = {"algorithm": "fedgrab", "preset": "authors", "optimiser": {"lr": 0.1}, "batch_size": 32}
+    cfg = RunConfig.model_validate(data)
+    assert cfg.optimiser.lr == 0.1 and cfg.batch_size == 32  # the user's
+    assert cfg.optimiser.momentum == 0.5 and cfg.optimiser.clip is None and cfg.local_epochs == 5  # theirs
+    assert "optimiser.lr" not in cfg.preset_settings and "batch_size" not in cfg.preset_settings
+    reloaded = RunConfig.model_validate(cfg.model_dump(mode="json"))  # a run's config.json read back (resume)
+    assert reloaded == cfg
+    line = differences_line("fedgrab", cfg.model_dump(mode="json"))
+    assert "lr 0.1 (theirs 0.03)" in line and "batch_size 32 (theirs 5)" in line and "momentum" not in line
+
+
+def test_the_default_run_names_what_differs_from_the_authors():
+    line = differences_line("fedetf", RunConfig(algorithm="fedetf").model_dump(mode="json"))
+    assert line.count("\n") == 0 and "momentum" not in line  # fedlt's 0.9 is theirs
+    assert "lr 0.01 (theirs 0.04)" in line and "clip 10 (theirs none)" in line and "--preset authors" in line
+    assert differences_line("fedsam", RunConfig(algorithm="fedsam").model_dump(mode="json")) is None  # none declared
+
+
+def test_a_preset_for_an_algorithm_without_settings_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--algo", "fedsam", "--preset", "authors", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "preset" in err and "fedgrab" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_list_shows_the_authors_settings_beside_fedlt_defaults(capsys):
+    main(["list", "algorithms", "fedrep"])
+    out = capsys.readouterr().out
+    assert "TsingZ0/PFLlib@d832e76f6a23" in out and "differs" in out and "drop_last" in out
+
+
+def _sizes(schedule: LocalSchedule, n: int) -> list[int]:
+    return [len(b) for b in schedule.batches(n, torch.Generator().manual_seed(3))]
+
+
+def test_drop_last_leaves_out_each_epochs_partial_batch_and_draws_the_same_orders():
+    keep, drop = LocalSchedule(4, epochs=2), LocalSchedule(4, epochs=2, drop_last=True)
+    assert _sizes(keep, 10) == [4, 4, 2, 4, 4, 2] and _sizes(drop, 10) == [4, 4, 4, 4]
+    kept = list(keep.batches(10, torch.Generator().manual_seed(3)))
+    dropped = list(drop.batches(10, torch.Generator().manual_seed(3)))
+    assert all(torch.equal(a, b) for a, b in zip(kept[:2] + kept[3:5], dropped))  # the same permutations
+    assert _sizes(drop, 8) == [4, 4, 4, 4] and _sizes(drop, 3) == [3, 3]  # a client under one batch keeps it
+    assert _sizes(LocalSchedule(4, iters=3, drop_last=True), 10) == [4, 4, 4]  # iterations: full batches anyway
+
+
+def test_drop_last_reaches_the_schedule_of_a_run():
+    from fedlt.run.parts import run_context
+
+    cfg = RunConfig(algorithm="fedrep", preset="authors", model="mlp")
+    spec = type("Spec", (), {"num_classes": 10, "build": None})()
+    ctx = run_context(cfg, spec, (1, 28, 28), torch.ones(2, 10, dtype=torch.int64), [])
+    schedule = ctx.schedule(10)
+    assert schedule.drop_last and schedule.batch == 10 and schedule.epochs == 1 and schedule.momentum == 0.0

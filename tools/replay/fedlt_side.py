@@ -1,0 +1,230 @@
+"""fedlt's side of a replay: a real run's parts (``fedlt.run.parts.prepare`` from a RunConfig) driven
+round by round with ``parts.train_round``, exactly as the engine's loop drives them, recording
+after every round the global weights, each participant's result (its new weights, its mean loss,
+its loss-term state) and, for Fed-GraB, the gates SGB drew at every step — so the authors' code can
+be handed the same things and compared with it.
+
+Also the replay's small synthetic data set (an ``arrays`` file: long-tailed, 8×8 images whose
+class is a noisy pattern) and the comparison and fixture helpers every adapter shares. Nothing here
+is the authors' code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from fedlt.algorithms import fedavg_family
+from fedlt.algorithms.base import client_generator
+from fedlt.algorithms.protocol import ClientStates
+from fedlt.config import RunConfig
+from fedlt.losses import fedgrab as fedgrab_losses
+from fedlt.run import parts
+
+CLASSES = 10
+
+
+def write_data(path: Path, n_train: int = 240, n_test: int = 100, size: int = 8, seed: int = 0) -> Path:
+    """The replay's data set as an ``arrays`` .npz: class c has ⌈n·0.6^c⌉-proportional samples
+    (long-tailed, class 0 the head), each image a fixed per-class pattern plus noise (uint8)."""
+    rng = np.random.default_rng(seed)
+    share = 0.6 ** np.arange(CLASSES)
+    counts = np.maximum(np.round(n_train * share / share.sum()).astype(int), 2)
+    y_train = np.repeat(np.arange(CLASSES), counts)
+    y_test = np.arange(n_test) % CLASSES
+    patterns = rng.integers(0, 256, (CLASSES, size, size))
+
+    def images(y: np.ndarray) -> np.ndarray:
+        noise = rng.normal(0, 60, (len(y), size, size))
+        return np.clip(patterns[y] + noise, 0, 255).astype(np.uint8)
+
+    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
+    return path
+
+
+def replay_config(algorithm: str, data: Path, out: Path, **overrides: Any) -> RunConfig:
+    """A small run of ``algorithm`` with its authors' settings (``preset authors``) on the replay data."""
+    base = dict(dataset="arrays", data_root=str(data), partition={"name": "dirichlet", "beta": 0.5, "min_size": 2},
+                clients=4, participation=1.0, model="mlp", algorithm=algorithm, preset="authors", rounds=3,
+                out=str(out), seeds={"data": 0, "model": 0, "sampling": 0})
+    return RunConfig.model_validate({**base, **overrides})
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    round: int
+    participants: list[int]
+    global_weights: dict[str, torch.Tensor]
+    results: dict[int, Any]  # cid -> ClientResult
+    gates: dict[int, list[torch.Tensor]]  # cid -> one bool vector per step (Fed-GraB)
+    priors: dict[int, torch.Tensor]  # cid -> the DPA prior SGB gated with (Fed-GraB)
+
+
+class Recorder:
+    """Patches, for the duration of a ``with``: the FedAvg family's client call (to know whose
+    steps run and to keep its result) and SGB's call (to record the gates it draws: the same
+    ``torch.rand`` from a copy of its generator, compared with its prior, as the call itself does)."""
+
+    def __init__(self) -> None:
+        self.cid: int | None = None
+        self.results: dict[int, Any] = {}
+        self.gates: dict[int, list[torch.Tensor]] = {}
+        self.priors: dict[int, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator["Recorder"]:
+        call, sgb_call = fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__
+        recorder = self
+
+        def client_call(update, task, model=None):
+            recorder.cid = task.cid
+            result = call(update, task, model)
+            # the first call of the round is the client's own; a second (Ditto's personal pass) is
+            # inside it and is merged into the first's result by the caller
+            recorder.results.setdefault(task.cid, result)
+            return result
+
+        def sgb(term, logits, targets, **kw):
+            if term._prior is not None:
+                copy = torch.Generator()
+                copy.set_state(term.generator.get_state())
+                r = torch.rand(logits.shape[1], generator=copy, dtype=torch.float64)
+                recorder.gates.setdefault(recorder.cid, []).append(r <= term._prior.vec)
+                recorder.priors[recorder.cid] = term._prior.vec.clone()
+            return sgb_call(term, logits, targets, **kw)
+
+        fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__ = client_call, sgb
+        try:
+            yield self
+        finally:
+            fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__ = call, sgb_call
+
+    def take(self) -> tuple[dict, dict, dict]:
+        out = self.results, self.gates, self.priors
+        self.results, self.gates, self.priors = {}, {}, {}
+        return out
+
+
+class FedltSide:
+    """A run's parts, prepared once; ``rounds()`` yields a RoundRecord after each round."""
+
+    def __init__(self, config: RunConfig, dtype: torch.dtype = torch.float32) -> None:
+        self.config, self.dtype = config, dtype
+        with default_dtype(dtype):
+            self.prep = parts.prepare(config)
+        if dtype != torch.float32:  # the data in the models' dtype (the loader gives float32)
+            data = self.prep.data
+            self.prep = dataclasses.replace(self.prep, data=dataclasses.replace(
+                data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype)))
+        self.states = ClientStates()
+        self.device = torch.device("cpu")
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.prep.algorithm.global_model().state_dict().items()}
+
+    def client(self, cid: int):
+        return parts.client_data(self.prep, cid, self.device)
+
+    def batches(self, cid: int, round_index: int) -> list[torch.Tensor]:
+        """The minibatch indices client ``cid`` trains on in ``round_index`` (its schedule, its stream)."""
+        data = self.client(cid)
+        schedule = self.prep.ctx.schedule(self.config.batch_size)
+        return list(schedule.batches(len(data), client_generator(self.config.seeds.sampling, round_index, cid)))
+
+    def rounds(self) -> Iterator[RoundRecord]:
+        recorder = Recorder()
+        c = self.config
+        for r in range(c.rounds):
+            chosen = parts.sample_clients(c.clients, c.participation, c.seeds.sampling, r)
+            clients = [self.client(cid) for cid in chosen]
+            with default_dtype(self.dtype), recorder.patched():
+                parts.train_round(self.prep.algorithm, self.prep.ctx, r, clients, self.states)
+            results, gates, priors = recorder.take()
+            yield RoundRecord(r, chosen, self.initial_weights(), results, gates, priors)
+
+
+class EpochLoader:
+    """A DataLoader's stand-in for one client's round on the authors' side: each iteration (their
+    ``for epoch: for x, y in loader``) is the next epoch of the minibatches fedlt's schedule drew."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
+        per = len(batches) // epochs
+        self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
+
+    def __iter__(self):
+        return iter(self.epochs.pop(0))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+# -- comparison ---------------------------------------------------------------------------------
+SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
+
+
+def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
+    uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
+    out = {"weights": result.weights}
+    if method == "fedgrab":
+        out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
+    if method == "ditto":
+        out["personal"] = result.state["personal"]
+    return out
+
+
+def recorded_difference(method: str, result: Any, recorded: dict[str, Any]) -> float:
+    """The largest relative difference between a participant's round and a fixture's record of it."""
+    worst = 0.0 if recorded.get("loss") is None else abs(result.train_loss - recorded["loss"]) / abs(recorded["loss"])
+    for group, tensors in quantities(method, result).items():
+        for name, theirs in recorded[group].items():
+            if isinstance(theirs, dict):
+                worst = max(worst, fingerprint_difference(tensors[name], theirs))
+            else:
+                worst = max(worst, relative_difference(tensors[name], torch.tensor(theirs, dtype=torch.float64)))
+    return worst
+
+def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """max |a − b| / max(max |a|, max |b|): one number per quantity, scale-free (0 for two zeros)."""
+    a, b = ours.detach().double().flatten(), theirs.detach().double().flatten()
+    if a.shape != b.shape:
+        return math.inf
+    if not a.numel():
+        return 0.0
+    scale = max(float(a.abs().max()), float(b.abs().max()), 1e-300)
+    return float((a - b).abs().max()) / scale
+
+
+def fingerprint(t: torch.Tensor, picks: int = 8) -> dict[str, Any]:
+    """A tensor as a few numbers that a different tensor is very unlikely to share: its sum, the
+    sum of its squares, and ``picks`` entries at fixed, spread positions (a fixture's record);
+    the sum of magnitudes is the scale its sum is compared at (a sum may cancel to near 0)."""
+    flat = t.detach().double().flatten()
+    at = np.linspace(0, flat.numel() - 1, min(picks, flat.numel())).round().astype(int).tolist()
+    return {"shape": list(t.shape), "sum": float(flat.sum()), "abssum": float(flat.abs().sum()),
+            "sumsq": float((flat * flat).sum()),
+            "at": at, "values": [float(flat[i]) for i in at]}
+
+
+def fingerprint_difference(ours: torch.Tensor, record: dict[str, Any]) -> float:
+    """The largest relative difference between ``ours`` and a recorded fingerprint."""
+    mine = fingerprint(ours, len(record["at"]))
+    if mine["shape"] != record["shape"]:
+        return math.inf
+    worst = max(abs(mine["sum"] - record["sum"]) / max(record["abssum"], 1e-300),
+                abs(mine["sumsq"] - record["sumsq"]) / max(record["sumsq"], 1e-300))
+    scale = max(max(abs(v) for v in record["values"]), 1e-300)
+    return max(worst, max(abs(a - b) / scale for a, b in zip(mine["values"], record["values"])))

@@ -1,0 +1,147 @@
+"""Replay a method's authors' code beside fedlt, round by round (issue 41; docs/replay.md).
+
+    python tools/replay/run.py fedgrab --git /work/.mirror/ZackZikaiXiao+FedGraB/repo \\
+        [--mode matched|released] [--dtype float64|float32] [--rounds 3] [--participation 0.5] \\
+        [--record tests/golden/replay_fedgrab.json]
+    python tools/replay/run.py ditto --git /work/.mirror/TsingZ0+PFLlib/repo [--mode released] ...
+
+The same initial weights, client data (fedlt's partition of the replay's small long-tailed data
+set), minibatch order and hyper-parameters (the method's ``--preset authors``) go to the authors'
+client and server code and to fedlt's run parts. After every round each quantity is compared —
+per participant the gates, the loss-term state, the trained weights and the loss, then the global
+weights — and the largest relative difference of each is printed. The first one over the tolerance
+(1e-10 in float64, 1e-5 in float32) is named with where both sides compute it and, when known,
+why they differ. Exit status 0: agreement within the tolerance; 1: a difference.
+
+``--record`` writes the authors' side as a small fixture (fingerprints of the weights, the state
+vectors, the losses) that tests/test_replay.py replays fedlt against without the authors' code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
+
+import ditto  # noqa: E402
+import fedgrab  # noqa: E402
+from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
+                        write_data)
+
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto}
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+
+def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
+    """The largest relative difference of each quantity of one participant's round: each group of
+    tensors (the trained weights, the loss-term state, the personal model), the loss where both
+    sides report it, and the gates where the method draws them (a count of mismatched draws)."""
+    out: dict[str, float] = {}
+    if "gates" in theirs:
+        out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
+                             + abs(len(gates) - len(theirs["gates"])))
+    for group, tensors in quantities(method, ours).items():
+        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors)
+    if theirs.get("loss") is not None:
+        out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
+    return out
+
+
+def recorded(theirs: dict[str, Any]) -> dict[str, Any]:
+    """One participant's round of the authors' side as a fixture holds it: short vectors whole,
+    model weights as fingerprints."""
+    out: dict[str, Any] = {"loss": theirs.get("loss")}
+    for group, tensors in theirs.items():
+        if isinstance(tensors, dict):
+            out[group] = {k: v.tolist() if v.numel() <= 64 else fingerprint(v) for k, v in tensors.items()}
+    return out
+
+
+def replay(args: argparse.Namespace) -> dict[str, Any]:
+    adapter = ADAPTERS[args.method]
+    dtype = getattr(torch, args.dtype)
+    work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
+    data = write_data(work / "data.npz")
+    epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
+    config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
+                           **epochs)
+    side = FedltSide(config, dtype)
+    initial = side.prep.algorithm.global_model()
+    authors = adapter.Authors(args.git, args.mode, initial, config)
+    tol = TOLERANCE[args.dtype]
+    rows, first, record_rounds = [], None, []
+    for rec in side.rounds():
+        theirs, worst = {}, {}
+        for cid in rec.participants:
+            client = side.client(cid)
+            theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
+                                               rec.gates.get(cid))
+            diffs = compare_client(args.method, rec.results[cid], theirs[cid], rec.gates.get(cid, []))
+            for name, value in diffs.items():
+                worst[name] = max(worst.get(name, 0.0), value)
+                if first is None and (value > tol if name != "gates" else value > 0):
+                    first = {"round": rec.round + 1, "client": cid, "quantity": name, "difference": value}
+        authors.aggregate(rec.participants, theirs, {c: len(side.client(c)) for c in rec.participants})
+        glob = authors.model.state_dict()
+        worst["global"] = max(relative_difference(rec.global_weights[k], glob[k]) for k in glob)
+        if first is None and worst["global"] > tol:
+            first = {"round": rec.round + 1, "client": None, "quantity": "global", "difference": worst["global"]}
+        rows.append({"round": rec.round + 1, "participants": rec.participants, **worst})
+        record_rounds.append({"round": rec.round + 1, "participants": rec.participants,
+                              "clients": {str(c): recorded(t) for c, t in theirs.items()},
+                              "global": {k: fingerprint(v) for k, v in glob.items()}})
+    if first is not None:
+        q = first["quantity"]
+        first["fedlt"], first["authors"] = adapter.WHERE.get(q, ("", ""))
+        first["reason"] = getattr(adapter, "REASONS", {}).get(args.mode, {}).get(q, "not explained yet")
+    settings = {k: v for k, v in config.model_dump(mode="json").items()
+                if k in ("clients", "participation", "rounds", "local_epochs", "batch_size", "optimiser", "drop_last",
+                         "partition", "seeds", "model", "algorithm")}
+    return {"method": args.method, "source": {"repo": adapter.REPO, "commit": adapter.COMMIT},
+            "mode": args.mode, "dtype": args.dtype, "tolerance": tol, "settings": settings,
+            "data": {"n_train": 240, "n_test": 100, "size": 8, "seed": 0}, "rounds": rows, "first_difference": first,
+            "record": record_rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("method", choices=sorted(ADAPTERS))
+    parser.add_argument("--git", required=True, help="a git snapshot of the authors' repository (the fetch tool's)")
+    parser.add_argument("--mode", default="matched", help="matched (default) or released (their code as released)")
+    parser.add_argument("--dtype", default="float64", choices=sorted(TOLERANCE))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--participation", type=float, default=0.5)
+    parser.add_argument("--epochs", type=int, help="local epochs (default: the authors', as --preset authors sets)")
+    parser.add_argument("--record", type=Path, help="write the authors' side as a fixture for tests/test_replay.py")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = replay(args)
+    print(f"{args.method} ({out['source']['repo']}@{out['source']['commit'][:7]}), mode {args.mode}, {args.dtype}: "
+          f"max relative difference per round (gates: mismatched draws)")
+    names = [k for k in out["rounds"][0] if k not in ("round", "participants")]
+    print("round  participants  " + "  ".join(f"{n:>9}" for n in names))
+    for row in out["rounds"]:
+        print(f"{row['round']:>5}  {str(row['participants']):>12}  " + "  ".join(f"{row[n]:9.2e}" for n in names))
+    first = out["first_difference"]
+    if first is None:
+        print(f"agreement: every quantity within {out['tolerance']:g} relative over {len(out['rounds'])} rounds")
+    else:
+        print(f"first difference: round {first['round']}, client {first['client']}, {first['quantity']} "
+              f"({first['difference']:.3g})\n  fedlt:   {first['fedlt']}\n  authors: {first['authors']}\n"
+              f"  reason:  {first['reason']}")
+    if args.record:
+        args.record.write_text(json.dumps({k: v for k, v in out.items()}, indent=1) + "\n")
+        print(f"wrote {args.record}")
+    raise SystemExit(0 if first is None else 1)
+
+
+if __name__ == "__main__":
+    main()
