@@ -70,6 +70,7 @@ class EvalTask:
     schedule: LocalSchedule | None = None  # finetune: the local schedule (epochs = E)
     objective: str = "ce"  # finetune: the local objective
     eval_batch: int = 2048  # test samples per no-grad forward
+    new_client: bool = False  # a client held out of training (new_clients): it never had a state
 
     @property
     def round_index(self) -> int:

@@ -214,9 +214,24 @@ class Personalised(FedAvgFamily):
         return place_model(model, eval_device(task))
 
     def personal_model(self, task: EvalTask) -> nn.Module:
+        """The global model with the client's kept part; a new client (``task.new_client``) of a
+        method that keeps the head gets the global body with a head trained on its data, the body
+        frozen — FedRep's protocol for new clients (Collins et al. 2021, §5: the learned
+        representation, a new local head)."""
         model = self.fresh_model(task)
         model.load_state_dict(task.weights | task.state.get(PERSONAL, {}))
+        if task.new_client and self.keep == "head" and PERSONAL not in task.state:
+            if task.data is None:
+                raise FedltError(f"{type(self).__name__}'s personal model of new client {task.cid} trains its head: "
+                                 "its evaluation task needs its training data")
+            schedule = self.new_head_schedule(task)
+            with frozen(model, part_keys(model, "body")):
+                finetune(model, dataclasses.replace(task, schedule=schedule), FinetuneUpdate())
         return model.eval()
+
+    def new_head_schedule(self, task: EvalTask) -> Any:
+        """How a new client's head is trained: one round's local schedule."""
+        return task.schedule or self._ctx.schedule(self._ctx.batch_size)
 
 
 # -- local, FedPer, FedRep, LG-FedAvg ------------------------------------------------------------------
@@ -248,6 +263,10 @@ class FedRep(Personalised):
 
     def client_fn(self) -> ClientUpdate:
         return RepUpdate(self.keep, self.freeze, self.shared, head_epochs=self.head_epochs)
+
+    def new_head_schedule(self, task: EvalTask) -> Any:
+        """A new client's head: ``head_epochs`` epochs, as a round's head phase."""
+        return dataclasses.replace(super().new_head_schedule(task), epochs=self.head_epochs, iters=None)
 
 
 class LGFedAvg(Personalised):
