@@ -9,8 +9,8 @@ flag (and a config file's string value) is written in.
 
 Parsed with :mod:`ast`, never ``eval`` (like the loss expressions of ``fedlt.losses.compose``):
 keyword arguments only, each a literal (number, string, ``True``/``False``/``None``, a list or
-tuple of literals), a bare word (a string: ``rule=share``; ``none``/``null`` mean ``None``) or a
-nested spec. A name may contain ``:``, ``.``, ``-`` and ``/`` (``timm:vit_tiny_patch16_224``).
+tuple of literals), a bare word (a string: ``rule=share``; ``none``/``null`` mean ``None``,
+``true``/``false`` the booleans, as in ``--set`` and TOML) or a nested spec. A name may contain ``:``, ``.``, ``-`` and ``/`` (``timm:vit_tiny_patch16_224``).
 
 A spec (and a ``--set`` value) is at most ``MAX_TEXT_LENGTH`` characters and ``MAX_DEPTH`` levels
 deep, the bounds of loss expressions: Python's parser and every walk over the tree stay far from
@@ -32,6 +32,9 @@ from fedlt.errors import FedltError
 _NAME = re.compile(r"\s*([A-Za-z_][\w.:/-]*)\s*(?:\((.*)\))?\s*", re.DOTALL)
 _EXAMPLE = "e.g. 'dirichlet(beta=0.1, min_size=10)' or 'longtail(imbalance_factor=100, then=dirichlet(beta=0.5))'"
 _NONE_WORDS = {"none", "null"}
+# lower-case booleans as --set, TOML and JSON write them (``topk(error_feedback=true)``); a quoted
+# 'true' stays a string, which a boolean parameter refuses
+_BOOL_WORDS = {"true": True, "false": False}
 
 # The bounds of loss expressions (fedlt.losses.compose): a real spec is a few dozen characters and
 # three levels deep; a config file's tables are a handful of levels.
@@ -151,7 +154,9 @@ def _params(call: ast.Call, name: str, text: str, what: str) -> dict[str, Any]:
 
 
 def _value(node: ast.AST, where: str, text: str, what: str) -> Any:
-    if isinstance(node, ast.Name):  # a bare word: a string, or None
+    if isinstance(node, ast.Name):  # a bare word: a string, None, or a lower-case boolean
+        if node.id in _BOOL_WORDS:
+            return _BOOL_WORDS[node.id]
         return None if node.id.lower() in _NONE_WORDS else node.id
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):  # a nested spec
         return {"name": node.func.id, **_params(node, node.func.id, text, what)}
