@@ -30,7 +30,7 @@ PartitionFlag = Optional[str]
 
 # torch's intra-op threads per process: beyond this torch (OpenMP) fails to create them, and past
 # a long long it crashes the interpreter (--threads 99999999 was a segmentation fault)
-MAX_THREADS = 1024
+MAX_THREADS = 1024  # fedlt.config.MAX_THREADS (not imported: the CLI starts without torch)
 
 
 def check_threads(threads: int | None) -> None:

@@ -176,6 +176,8 @@ def run(
     then: PartitionFlag = PARTITION_OPTIONS["then"],
     partition_file: Optional[str] = typer.Option(None, help="reuse a saved partition (partition.npz; none: unset)"),
     clients: Optional[int] = typer.Option(None, help="number of clients K"),
+    new_clients: Optional[int] = typer.Option(None, "--new-clients", help="clients held out of training, evaluated "
+                                              "apart (the partition has K + N parts; docs/evaluation.md)"),
     participation: Optional[float] = typer.Option(None, help="fraction of clients per round, in (0, 1]"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     server_batch: Optional[int] = typer.Option(None, help="SCALA's server batch B"),
@@ -229,8 +231,8 @@ def run(
                                           "results are identical to 1 (docs/parallel.md)"),
     loader_workers: Optional[int] = typer.Option(None, help="DataLoader processes decoding images read from files "
                                                  "(imagefolder) ahead of use; 0: none (docs/datasets.md)"),
-    threads: Optional[int] = typer.Option(None, help="torch intra-op threads for this process (default: torch's); "
-                                          "1 when several runs share the cores (docs/runs.md)"),
+    threads: Optional[int] = typer.Option(None, help="torch intra-op threads of the run (default: the process's, "
+                                          "recorded in config.json); 1 when several runs share the cores (docs/runs.md)"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="any setting as KEY=VALUE, e.g. groups.many_above=50 "
                                              "(repeatable; VALUE none unsets)"),
     engine: Optional[str] = typer.Option(None, help="local (default) or flower: Flower's simulation runtime, "
@@ -276,12 +278,13 @@ def run(
         config = resume / "config.json"
     base = read_config_file(config) if config is not None else {}
     overrides: dict[str, Any] = {}
-    scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, participation=participation,
+    scalars = dict(algorithm=algo, model=model, dataset=dataset, clients=clients, new_clients=new_clients,
+                   participation=participation,
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort,
-                   download=download, engine=engine, workers=workers, loader_workers=loader_workers, out=resume or out,
-                   drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
+                   download=download, engine=engine, workers=workers, loader_workers=loader_workers, threads=threads,
+                   out=resume or out, drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
                    target_epsilon=target_epsilon, secure_aggregation=secure_aggregation)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
@@ -345,10 +348,6 @@ def run(
         note = differences_line(cfg.algorithm, cfg.model_dump(mode="json"))
         if note:
             typer.echo(note, err=True)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     if cfg.engine == "flower":
         from fedlt.flower import require
 

@@ -66,13 +66,16 @@ def splits(
     and the parameter count on each side."""
     import torch
 
-    from fedlt.models import build
+    from fedlt.models import build, check_fits
     from fedlt.models.splitting import split_points
 
+    given = {"--in-chans": in_chans, "--image-size": image_size, "--num-classes": num_classes}
+    bad = [f"{flag} {value}" for flag, value in given.items() if value is not None and value < 1]
+    if bad:
+        raise FedltError(f"{', '.join(bad)}: --in-chans, --image-size and --num-classes must be >= 1")
     chans, size, classes = input_shape(dataset)
-    chans, size, classes = in_chans or chans, image_size or size, num_classes or classes
-    if min(chans, size, classes) < 1:
-        raise FedltError("--in-chans, --image-size and --num-classes must be positive")
+    chans, size, classes = [d if v is None else v for v, d in zip(given.values(), (chans, size, classes))]
+    check_fits(model, in_chans=chans, num_classes=classes, image_size=size)  # before anything is allocated
     net = build(model, in_chans=chans, num_classes=classes, image_size=size)
     points = split_points(net, torch.zeros(1, chans, size, size))
     if not points:

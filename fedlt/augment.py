@@ -25,7 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from fedlt.datasets.source import CHUNK, Images, images, to_device
 from fedlt.errors import FedltError
 from fedlt.registry import Registry, create_from_spec
-from fedlt.spec import format_spec, parse_spec
+from fedlt.spec import Params, format_spec, parse_spec
 
 REGISTRY: Registry = Registry("augmentation", product=lambda obj: None if callable(getattr(obj, "eval", None)) else
                               f"{type(obj).__name__} lacks eval(x) (see fedlt.augment.Transform)")
@@ -79,7 +79,7 @@ Finite = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
 Statistics = Annotated[tuple[float, ...], BeforeValidator(_statistics)]
 
 
-class Transform(BaseModel):
+class Transform(Params):
     """A batched tensor transform: its parameters are the model's fields, validated at construction."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

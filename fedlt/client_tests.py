@@ -132,7 +132,7 @@ class Holdout(ClientTest):
     """Test data carved out of each client's own data before training."""
 
     name: ClassVar[str] = "holdout"
-    fraction: float = Field(0.25, gt=0.0, lt=1.0, description="share of each class moved to the client's test part")
+    fraction: float = Field(0.25, gt=0.0, lt=1.0, allow_inf_nan=False, description="share of each class moved to the client's test part")
 
     def test_count(self, n: np.ndarray) -> np.ndarray:
         """How many of n samples of one class go to the test part: round(fraction·n), at least one

@@ -29,18 +29,22 @@ import fedlt.posthoc
 import fedlt.privacy
 import fedlt.transforms
 from fedlt import safe_yaml
+from fedlt.algorithms import compatibility
 from fedlt.algorithms.authors import AUTHORS, authors_settings, fill
 from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
+from fedlt.bounds import MAX_ROUNDS  # noqa: F401  (one bound, shared with the algorithms' round counts)
 from fedlt.errors import FedltError, describe
 from fedlt.registry import Registry, create_from_spec
 from fedlt.spec import DEFAULT_PARTITION, MAX_DEPTH, data_depth, numbers_are_numbers, parse_spec  # noqa: F401
 
 # Bounds of the settings with no natural maximum (docs/runs.md, "Bounds").
-MAX_ROUNDS = 100_000
 MAX_LOCAL_ITERS = 100_000
 MAX_LOCAL_EPOCHS = 1_000
 MAX_BATCH = 1_000_000
 MAX_WORKERS = 1_024  # processes, not threads: beyond any one machine's cores (a typo, not a plan)
+# torch's intra-op threads per process: beyond this torch (OpenMP) fails to create them, and past
+# a long long it crashes the interpreter (--threads 99999999 was a segmentation fault)
+MAX_THREADS = 1_024
 
 
 
@@ -179,6 +183,9 @@ class RunConfig(Strict):
     partition: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_PARTITION))
     partition_file: Path | None = None
     clients: PositiveInt = 100
+    new_clients: int = Field(0, ge=0, le=10**6, description="clients held out of training from the start: the "
+                             "partition has clients + new_clients parts, the last new_clients are never sampled and "
+                             "are evaluated apart (new_clients_* fields; docs/evaluation.md)")
     # model
     model: str = "alexnet"
     split: str | None = Field("s2", description="cut point for split algorithms (alexnet: s1..s5)")
@@ -269,6 +276,9 @@ class RunConfig(Strict):
 
     loader_workers: int = Field(0, ge=0, le=64, description="DataLoader processes decoding images read from files "
                                 "(imagefolder) ahead of training and evaluation; 0: in the training process")
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="torch intra-op threads of the process running "
+                                "the rounds (float reductions split by thread round differently); none: the "
+                                "process's own count, recorded in config.json when the run starts (docs/runs.md)")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -349,6 +359,18 @@ class RunConfig(Strict):
         if "preset_settings" not in data:
             filled["preset_settings"] = chosen
         return filled
+
+    @model_validator(mode="before")
+    @classmethod
+    def _current_format(cls, data: Any) -> Any:
+        """A run's config.json as it was written (``format_version`` and all) reads as this
+        version's settings: ``RunConfig.model_validate(json.load(f))`` works for every version."""
+        if isinstance(data, dict) and "format_version" in data:
+            try:
+                return upgrade_config(data, "config")
+            except FedltError as exc:
+                raise ValueError(str(exc)) from None
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -442,12 +464,35 @@ class RunConfig(Strict):
         return True if [m["name"] for m in modes] == ["expected"] else modes if modes else False
 
     @model_validator(mode="after")
+    def _parts_fit(self) -> "RunConfig":
+        """The parts' declared needs of the classifier (a head, a server step, a personal model)
+        against what it provides (fedlt.algorithms.compatibility), before anything is written."""
+        algorithm = fedlt.algorithms.create(self.algorithm, **self.algorithm_params)
+        try:
+            compatibility.check(self.algorithm, algorithm, [m["name"] for m in self.client_eval_modes()])
+        except FedltError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
     def _client_tests_for_the_modes(self) -> "RunConfig":
         if self.client_eval_modes() and self.client_test is None:
             raise ValueError(f"client_eval: {', '.join(m['name'] for m in self.client_eval_modes())} tests each "
                              "client on its own test set: choose one with client_test (e.g. --client-test matched "
                              "or 'holdout(fraction=0.25)')")
         return self
+
+    @model_validator(mode="after")
+    def _new_clients_are_evaluated(self) -> "RunConfig":
+        if self.new_clients and not (self.client_eval_expected() or self.client_eval_modes()):
+            raise ValueError(f"new_clients: the {self.new_clients} new client(s) never train and are only evaluated: "
+                             "set client_eval (true, or modes such as finetune with client_test)")
+        return self
+
+    @property
+    def partition_clients(self) -> int:
+        """Clients in the partition: the ``clients`` that train, then the ``new_clients`` that never do."""
+        return self.clients + self.new_clients
 
     def client_eval_modes(self) -> list[dict[str, Any]]:
         """The per-client evaluation modes (SPEC §7) asked for: ``{"name": ..., **params}`` each."""
@@ -569,6 +614,65 @@ class RunConfig(Strict):
         return params
 
 
+# -- format versions (docs/runs.md, "Format versions") -------------------------------------------
+# config.json's ``format_version``: 1 (no such key) up to fedlt fdcbc6a; 2 adds the key and
+# ``threads`` (and the fields added beside it, each with a default that reproduces version 1).
+CONFIG_FORMAT = 2
+
+
+def _fields_added_in_2(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 → 2: nothing to rewrite. Every field version 2 added reads as its declared default
+    (``with_defaults``), chosen so that a version-1 run continues with the same numbers: ``threads``
+    unset (the process's own count, as version 1 always ran), ``new_clients`` 0."""
+    return data
+
+
+# step from version v to v + 1, applied in order to an older file
+CONFIG_MIGRATIONS: dict[int, Any] = {1: _fields_added_in_2}
+
+
+def upgrade_config(data: dict[str, Any], where: Any) -> dict[str, Any]:
+    """The settings of a config file (``format_version`` removed) as this fedlt reads them: an
+    older version brought forward step by step; a newer one (written by a later fedlt), or a
+    version that is not a positive integer, refused in one line naming it."""
+    version = data.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise FedltError(f"{where}: format_version {version!r} is not a config format fedlt knows "
+                         f"(this fedlt reads formats 1 to {CONFIG_FORMAT})")
+    if version > CONFIG_FORMAT:
+        raise FedltError(f"{where} was written by a newer fedlt (config format {version}); this fedlt reads "
+                         f"formats 1 to {CONFIG_FORMAT}: upgrade fedlt to use it")
+    data = {k: v for k, v in data.items() if k != "format_version"}
+    for step in range(version, CONFIG_FORMAT):
+        data = CONFIG_MIGRATIONS[step](data)
+    return data
+
+
+def recorded(config: "RunConfig") -> dict[str, Any]:
+    """What a run directory's ``config.json`` holds: the format version and the resolved settings."""
+    return {"format_version": CONFIG_FORMAT, **config.model_dump(mode="json")}
+
+
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def with_defaults(data: dict[str, Any], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    """``data`` (a config.json's settings, as JSON) with every field it lacks at its declared
+    default, nested tables of settings (``faults``, ``optimiser``, ...) included: how a file written
+    before a field existed reads, whatever the field (another component's, a plugin's)."""
+    model = model or RunConfig
+    if model not in _DEFAULTS:
+        _DEFAULTS[model] = model().model_dump(mode="json")
+    out = dict(data)
+    for name, field in model.model_fields.items():
+        if name not in out:
+            out[name] = _DEFAULTS[model][name]
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) \
+                and isinstance(out[name], dict):
+            out[name] = with_defaults(out[name], field.annotation)
+    return out
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise FedltError(f"config file {path} does not exist")
@@ -599,7 +703,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise FedltError(f"config file {path} must hold a table of settings (key = value) at its top level, "
                          f"not a {type(data).__name__}")
-    return data
+    return upgrade_config(data, f"config file {path}")
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

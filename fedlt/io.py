@@ -23,6 +23,10 @@ import torch
 from fedlt.errors import FedltError, first_line
 
 CHECKPOINT_FORMAT = "fedlt-checkpoint-2"  # 2: the clients' states apart from the server side's
+CHECKPOINT_VERSION = 2  # the N of "fedlt-checkpoint-N" this fedlt writes (docs/runs.md, "Format versions")
+OLDEST_CHECKPOINT = 2  # version 1 kept the clients' states inside the algorithm's: not read
+# step from version v to v + 1 (a function of the loaded dict), applied in order to an older file
+CHECKPOINT_MIGRATIONS: dict[int, Any] = {}
 CHECKPOINT_KEYS = {"format": str, "config_digest": str, "partition_sha256": str, "round": int, "algorithm": dict,
                    "client_states": dict, "metrics": list, "wall_time": float}
 
@@ -136,6 +140,30 @@ def _check_metrics(path: Path, metrics: list, last_round: int) -> None:
         previous = r
 
 
+def checkpoint_version(state: Any) -> int | None:
+    """N of a checkpoint's ``"fedlt-checkpoint-N"`` format, or None when it has none."""
+    found = re.fullmatch(r"fedlt-checkpoint-([1-9][0-9]{0,8})", str(state.get("format", ""))) \
+        if isinstance(state, dict) else None
+    return int(found.group(1)) if found else None
+
+
+def _upgraded(path: Path, state: Any) -> dict:
+    """A loaded checkpoint in this fedlt's format: an older supported version brought forward step
+    by step; any other version refused in one line naming it and the versions read here."""
+    version = checkpoint_version(state)
+    readable = f"this fedlt reads formats {OLDEST_CHECKPOINT} to {CHECKPOINT_VERSION}"
+    if version is None:
+        raise FedltError(f"{path} is not a fedlt checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    if version > CHECKPOINT_VERSION:
+        raise FedltError(f"{path} was written by a newer fedlt (checkpoint format {version}); {readable}: "
+                         "upgrade fedlt to resume it")
+    if version < OLDEST_CHECKPOINT:
+        raise FedltError(f"{path} has checkpoint format {version}, too old to resume; {readable}")
+    for step in range(version, CHECKPOINT_VERSION):
+        state = CHECKPOINT_MIGRATIONS[step](state)
+    return dict(state, format=CHECKPOINT_FORMAT)
+
+
 def load_checkpoint(path: Path) -> dict:
     """Load without executing code (``weights_only=True``); anything else is a clear error.
 
@@ -152,8 +180,7 @@ def load_checkpoint(path: Path) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # tampered, truncated or foreign
         raise refusal(path, exc) from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise FedltError(f"{path} is not a fedlt checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    state = _upgraded(path, state)
     for key, kind in CHECKPOINT_KEYS.items():
         value = state.get(key)
         if isinstance(value, bool) or not isinstance(value, kind):

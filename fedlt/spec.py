@@ -9,8 +9,8 @@ flag (and a config file's string value) is written in.
 
 Parsed with :mod:`ast`, never ``eval`` (like the loss expressions of ``fedlt.losses.compose``):
 keyword arguments only, each a literal (number, string, ``True``/``False``/``None``, a list or
-tuple of literals), a bare word (a string: ``rule=share``; ``none``/``null`` mean ``None``) or a
-nested spec. A name may contain ``:``, ``.``, ``-`` and ``/`` (``timm:vit_tiny_patch16_224``).
+tuple of literals), a bare word (a string: ``rule=share``; ``none``/``null`` mean ``None``,
+``true``/``false`` the booleans, as in ``--set`` and TOML) or a nested spec. A name may contain ``:``, ``.``, ``-`` and ``/`` (``timm:vit_tiny_patch16_224``).
 
 A spec (and a ``--set`` value) is at most ``MAX_TEXT_LENGTH`` characters and ``MAX_DEPTH`` levels
 deep, the bounds of loss expressions: Python's parser and every walk over the tree stay far from
@@ -38,6 +38,9 @@ def _example(what: str) -> str:
     """The hint of a spec that does not parse: the partitioners' examples for a partition, a plain form else."""
     return _EXAMPLE if what.lstrip("-").split(".")[0] in ("partition", "then", "component") else _ANY_EXAMPLE
 _NONE_WORDS = {"none", "null"}
+# lower-case booleans as --set, TOML and JSON write them (``topk(error_feedback=true)``); a quoted
+# 'true' stays a string, which a boolean parameter refuses
+_BOOL_WORDS = {"true": True, "false": False}
 
 # The bounds of loss expressions (fedlt.losses.compose): a real spec is a few dozen characters and
 # three levels deep; a config file's tables are a handful of levels.
@@ -158,7 +161,9 @@ def _params(call: ast.Call, name: str, text: str, what: str) -> dict[str, Any]:
 
 
 def _value(node: ast.AST, where: str, text: str, what: str) -> Any:
-    if isinstance(node, ast.Name):  # a bare word: a string, or None
+    if isinstance(node, ast.Name):  # a bare word: a string, None, or a lower-case boolean
+        if node.id in _BOOL_WORDS:
+            return _BOOL_WORDS[node.id]
         return None if node.id.lower() in _NONE_WORDS else node.id
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):  # a nested spec
         return {"name": node.func.id, **_params(node, node.func.id, text, what)}
@@ -212,10 +217,18 @@ def _wants_number(annotation: Any) -> bool:
     return bool(args) and bool not in args and any(a in (int, float) for a in args)
 
 
-def numbers_are_numbers(model: type, data: Any) -> Any:
+def _wants_bool(annotation: Any) -> bool:
+    """Whether a field's type is a boolean (``bool`` or ``bool | None``), with no text or number besides."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is not None else (annotation,)
+    return bool in args and not any(a in (str, int, float) for a in args)
+
+
+def numbers_are_numbers(model: type, data: Any, *, strict: bool = False) -> Any:
     """For a pydantic ``model_validator(mode="before")``: refuse, naming the field, a boolean given
     to a field typed as a number and bytes given to any field (pydantic's lax mode would read
-    ``True`` as 1, ``b'1'`` as 1.0 or as the string "1")."""
+    ``True`` as 1, ``b'1'`` as 1.0 or as the string "1"). ``strict`` (a component's parameters,
+    written in a spec or a table by hand): also a string given to a number field (``'50'``) and
+    anything but true/false given to a boolean field (``'yes'``, ``1``)."""
     if not isinstance(data, dict):
         return data
     fields = getattr(model, "model_fields", {})
@@ -226,7 +239,23 @@ def numbers_are_numbers(model: type, data: Any) -> Any:
                              f"({bytes(value)[:40]!r})")
         if isinstance(value, bool) and number:
             raise ValueError(f"{key}: expected a number, got a boolean ({value})")
+        if strict and number and isinstance(value, str):
+            raise ValueError(f"{key}: expected a number, got the text {value[:40]!r} (write it without quotes)")
+        if strict and key in fields and _wants_bool(fields[key].annotation) and not isinstance(value, bool) \
+                and value is not None:
+            raise ValueError(f"{key}: expected True or False, got {str(value)[:40]!r}")
     return data
+
+
+class Params(BaseModel):
+    """The base of a component's parameters written by hand (a spec, a table): a number must be
+    a number and a boolean a boolean (``numbers_are_numbers(strict=True)``), before pydantic's lax
+    mode would read ``'0.5'`` as 0.5 or ``'yes'`` as True."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: Any) -> Any:
+        return numbers_are_numbers(cls, data, strict=True)
 
 
 def overlay(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -242,18 +271,13 @@ def overlay(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class SpecModel(BaseModel):
+class SpecModel(Params):
     """The base of a component built from a spec (``name(key=value, ...)``): its parameters are the
     model's fields, validated at construction (unknown keys refused, a number given as a string
     refused: :func:`numbers_are_numbers`), frozen; ``params()`` gives them back as JSON."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: ClassVar[str] = "component"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: Any) -> Any:
-        return numbers_are_numbers(cls, data)
 
     def params(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -114,6 +114,10 @@ def test_spec_language_nests_and_round_trips():
     assert parse_spec("timm:vit_tiny_patch16_224") == {"name": "timm:vit_tiny_patch16_224"}
     assert parse_spec(" mean ") == {"name": "mean"}
     assert parse_spec("x(a=none)") == {"name": "x", "a": None}
+    # lower-case booleans as --set and TOML write them (issue 42's `topk(error_feedback=true)`);
+    # a quoted 'true' stays text, which a boolean parameter refuses (issue 46)
+    assert parse_spec("x(a=true, b=false, c=True, d='true')") == {"name": "x", "a": True, "b": False,
+                                                                  "c": True, "d": "true"}
     for bad, needle in [("", "expected a component spec"), ("1abc", "not a component spec"),
                         ("a(b=1, b=2)", "given twice"), ("a(**k)", "'**'"), ("a(name=1)", "'name'"),
                         ("a(b=c+1)", "must be a literal"), ("a(b=1) + c(d=2)", "invalid syntax"), ("a(x=1)(y=2)", "invalid syntax"),

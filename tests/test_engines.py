@@ -43,7 +43,10 @@ STATEFUL = [("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Ada
             # a plugin's split server side with 3 participants: 2 server forwards an iteration, one of
             # a partial group (`every` has this case too, but with 2 participants: one group)
             ("scala", {"server": {"name": "grouped", "size": 2}}),
-            ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT)]  # torch's generator drawn in client work
+            ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT),  # torch's generator drawn in client work
+            # 2 clients that never train (issue 44), evaluated on their own nodes: global, personal
+            # (FedRep's new-client head, trained there) and fine-tuned
+            ("fedrep", {}, {"new_clients": 2})]
 
 # issue 42: client-level DP + compressed uploads (error feedback in the client states), with the
 # drops and the Flower resume of `every`: same model, states, bytes and ε on both engines

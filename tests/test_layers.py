@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     # 0 bottom: errors, registry, spec, io, wire, rundir, context, plots, process start-up
     "fedlt": 0, "fedlt.errors": 0, "fedlt.registry": 0, "fedlt.spec": 0, "fedlt.io": 0, "fedlt.wire": 0,
     "fedlt.rundir": 0, "fedlt.context": 0, "fedlt.plots": 0, "fedlt.start_method": 0, "fedlt.safe_yaml": 0,
-    "fedlt.outputs": 0,
+    "fedlt.outputs": 0, "fedlt.bounds": 0,
     # 1 components and their registries
     "fedlt.datasets": 1, "fedlt.partitioners": 1, "fedlt.models": 1, "fedlt.losses": 1, "fedlt.aggregators": 1,
     "fedlt.augment": 1, "fedlt.availability": 1, "fedlt.posthoc": 1, "fedlt.metrics": 1, "fedlt.server_steps": 1,

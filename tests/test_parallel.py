@@ -53,7 +53,8 @@ def test_every_registered_algorithm_is_bit_identical_with_two_workers(pool):
     stateful loss kept per client and models drawing from torch's generator in client work; each
     round's checkpoint compared, the overlapped evaluation's snapshot included."""
     cases = [*cheap.cases(fedlt.algorithms.list()), ("scala", {"client_loss": "fedgrab"}),  # tests/cheap.py
-             ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT)]
+             ("fedavg", {}, DROPOUT), ("scaffold", {}, DROPOUT),
+             ("fedrep", {}, {"new_clients": 2})]  # clients that never train, evaluated in the workers (issue 44)
     assert "example_fedcm" in cases and "scala" in cases
     check_parallel(cases, pool=pool)
 

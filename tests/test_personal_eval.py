@@ -270,3 +270,45 @@ def test_a_tolerant_runner_reports_a_client_whose_evaluation_fails(trained):
     assert row["personal_clients"] == 3 and row["personal_client_ids"] == [0, 1, 3]
     with pytest.raises(RuntimeError, match="no personal model"):
         ClientEvaluation(failing, LocalRunner(), states)(1)
+
+
+# -- clients that never train (issue 44, docs/evaluation.md "New clients") -----------------------
+def test_new_clients_are_partitioned_never_trained_and_reported_apart(one_thread, tmp_path, capsys):
+    """``--new-clients 1`` beside 2 training clients: the partition has 3 parts, every round trains
+    the 2 (participation 1), the new client's fields come apart (``new_clients_*``) in metrics,
+    summary and report, its expected accuracy is Σ_c p_c·acc_c from its partition row (float64,
+    written here), the global class counts leave its data out, and FedRep's new client gets a
+    head of its own (a lower test loss than the global model's, the accuracy aside)."""
+    from fedlt.report import load_runs, per_client_rows
+
+    out = tmp_path / "run"
+    main(["run", "--algo", "fedrep", "--model", "mlp", "--clients", "2", "--new-clients", "1", "--participation",
+          "1", "--rounds", "1", "--train-limit", "300", "--test-limit", "100", "--local-iters", "2", "--beta", "0.5",
+          "--min-size", "5", "--client-test", "matched(size=30)", "--client-eval", "expected", "--client-eval",
+          "global_local", "--client-eval", "personal", "--client-eval", "finetune(epochs=1)", "--out", str(out),
+          "--quiet"])
+    manifest = json.loads((out / "partition.json").read_text())
+    assert manifest["new_clients"] == [2] and len(manifest["class_counts"]) == 3
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["participants"] == 2 and row["global_local_clients"] == 2
+    for mode in ("global_local", "personal", "finetune"):
+        assert row[f"new_clients_{mode}_clients"] == 1 and f"new_clients_{mode}_client_ids" not in row
+    acc = np.array(row["per_class_accuracy"], dtype=np.float64)
+    p = np.array(manifest["class_counts"][2], dtype=np.float64)
+    assert math.isclose(row["new_clients_client_mean_accuracy"], float(p @ acc / p.sum()), abs_tol=1e-5)
+    assert row["new_clients_personal_loss"] < row["new_clients_global_local_loss"]  # its own head, trained
+    summary = json.loads((out / "summary.json").read_text())
+    trained = np.array(manifest["class_counts"][:2]).sum(0)
+    groups = {c: g for g in ("many", "medium", "few") for c in summary["groups"][g]}
+    assert all(groups[c] == ("many" if n > 100 else "few" if n < 20 else "medium") for c, n in enumerate(trained))
+    assert {"new_clients_finetune", "finetune"} <= set(summary["per_client"])
+    assert "new_clients_client_mean_accuracy" in summary["final"]
+    assert {"new_clients_personal", "personal"} <= {r["mode"] for r in per_client_rows(load_runs([out]))}
+
+
+def test_new_clients_that_nothing_evaluates_are_refused_in_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--model", "mlp", "--new-clients", "2", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1 and "new_clients" in err and "client_eval" in err
+    assert not (tmp_path / "x").exists()

@@ -60,7 +60,7 @@ def test_broken_server_steps_fail_naming_the_property(step, prop):
 
 
 def test_bad_step_parameters_are_one_line_errors():
-    with pytest.raises(FedltError, match="ccvr: samples_per_class must be an integer >= 1"):
+    with pytest.raises(FedltError, match="ccvr: samples_per_class must be an integer from 1 to 10000000"):
         fedlt.server_steps.create("ccvr", samples_per_class=0)
     with pytest.raises(Exception, match=re.escape("ccvr: step: unknown server_step 'nope' (valid: ccvr, creff, fednh, fednpc)")):
         RunConfig(**TINY, algorithm="ccvr", algorithm_params={"step": {"name": "nope"}})

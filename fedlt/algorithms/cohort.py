@@ -27,6 +27,7 @@ sequential runner, with the reason from :func:`cohort_reason`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,8 +55,53 @@ def client_variant(algorithm: Any) -> ClientUpdate | None:
     return fn if isinstance(fn, ClientUpdate) else None
 
 
-def cohort_reason(algorithm: Any, model: nn.Module) -> str | None:
-    """Why ``algorithm``'s clients cannot train as one cohort on ``model`` (None: they can)."""
+# timm's attributes of randomness drawn in forward through torch.nn.functional, not a Dropout module
+# (EfficientNet's head: F.dropout(x, self.drop_rate); DropPath's drop_prob; ViT's drop_path_rate)
+RANDOM_ATTRIBUTES = ("drop_rate", "drop_path_rate", "drop_prob", "drop_block_rate", "attn_drop_rate", "proj_drop_rate")
+_PROBED: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyDictionary()
+
+
+def _random_module(model: nn.Module) -> str | None:
+    """A module whose forward draws random numbers in training mode: a Dropout module, or one with a
+    timm rate attribute above 0 (functional dropout, DropPath)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"the model has {type(m).__name__} (its randomness would not follow each client's stream)"
+        for attr in RANDOM_ATTRIBUTES:
+            rate = getattr(m, attr, None)
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                return (f"the model's {type(m).__name__} draws random numbers in its forward ({attr}={rate:g}: "
+                        "functional dropout, which vmap cannot give each client's stream)")
+    return None
+
+
+def _probe(model: nn.Module, sample: torch.Tensor) -> str | None:
+    """A training-mode forward of one sample under vmap with random operations refused (vmap's
+    ``randomness="error"``): the reason when the model draws random numbers anywhere in it
+    (F.dropout, torch.rand in a forward), whatever module does it. Once per model."""
+    if model in _PROBED:
+        return _PROBED[model]
+    reason = None
+    mode = model.training
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            vmap(lambda x: model(x.unsqueeze(0)), randomness="error")(sample[:1])
+    except RuntimeError as exc:
+        if "random" in str(exc):
+            reason = "the model's forward calls a random operation (e.g. F.dropout), which vmap cannot give each " \
+                     "client's stream"
+    except Exception:  # noqa: BLE001  (another failure is the cohort's to report, with its client)
+        pass
+    finally:
+        model.train(mode)
+    _PROBED[model] = reason
+    return reason
+
+
+def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None = None) -> str | None:
+    """Why ``algorithm``'s clients cannot train as one cohort on ``model`` (None: they can);
+    ``sample`` (a client's input batch) lets a probe under vmap find randomness no module declares."""
     if not isinstance(algorithm, Federated):
         return f"{type(algorithm).__name__} is not one call per client per round (split learning runs sessions)"
     update = client_variant(algorithm)
@@ -73,9 +119,7 @@ def cohort_reason(algorithm: Any, model: nn.Module) -> str | None:
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             return f"the model has {type(m).__name__} (running statistics updated in place per client)"
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return f"the model has {type(m).__name__} (its randomness would not follow each client's stream)"
-    return None
+    return _random_module(model) or (_probe(model, sample) if sample is not None else None)
 
 
 def _same_schedule(tasks: Sequence[ClientTask]) -> str | None:
@@ -297,7 +341,9 @@ class CohortRunner:
         model = getattr(algorithm, "_work", None)
         if model is None:
             return f"{type(algorithm).__name__} has no work module"
-        return cohort_reason(algorithm, model) or (_same_schedule(tasks) if tasks else None)
+        sample = tasks[0].data.take(torch.zeros(1, dtype=torch.long, device=tasks[0].data.index_device))[0] \
+            if tasks and tasks[0].data is not None and len(tasks[0].data) else None
+        return cohort_reason(algorithm, model, sample) or (_same_schedule(tasks) if tasks else None)
 
     def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
         self.fallback = self.reason(algorithm, tasks)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.func import functional_call
 
@@ -25,6 +25,7 @@ from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, N
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
 from fedlt.models import eval_mode
+from fedlt.spec import Params
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -213,7 +214,7 @@ class Strategy:
 ClientFn = Callable[[ClientTask, "nn.Module | None"], ClientResult]
 
 
-class Federated(BaseModel):
+class Federated(Params):
     """A one-call-per-round algorithm: ``client_fn()`` (a function of its task) × ``make_strategy``.
 
     ``train_round`` is the whole round: configure → run every task through the engine's runner

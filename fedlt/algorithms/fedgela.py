@@ -27,6 +27,7 @@ from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily
 from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.pfl import eval_device
 from fedlt.algorithms.protocol import ClientResult, ClientTask
+from fedlt.bounds import MAX_SEED
 from fedlt.models import classifier, heads
 from fedlt.models.heads import simplex_etf
 
@@ -124,7 +125,7 @@ class FedGELA(FedAvgFamily):
 
     temperature: float = Field(0.2, gt=0, allow_inf_nan=False, description="temperature T of the local logits "
                                                                           "z ⊙ Ew / T (their --temperature)")
-    seed: int = Field(0, ge=0, description="seed of the fixed simplex ETF (the same on every node)")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the fixed simplex ETF (the same on every node)")
 
     def client_fn(self) -> GELAUpdate:
         return GELAUpdate(self.temperature, self.seed)

@@ -30,6 +30,7 @@ from fedlt.algorithms.base import ClientData, place_model
 from fedlt.algorithms.longtail import FedLoGe, WithHead
 from fedlt.algorithms.personal import stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientTask
+from fedlt.bounds import MAX_ROUNDS
 from fedlt.models import eval_mode
 
 STATE = "fedrela"  # the client's relabelled targets in its state
@@ -123,7 +124,7 @@ class FedReLa(FedLoGe):
 
     relabel_start: float = Field(0.9, ge=0, allow_inf_nan=False, description="first relabelled round: a fraction "
                                  "of the run's rounds when < 1, else a round index from 0")
-    relabel_period: int = Field(0, ge=0, description="rounds between refreshed relabellings (0: once, their default)")
+    relabel_period: int = Field(0, ge=0, le=MAX_ROUNDS, description="rounds between refreshed relabellings (0: once, their default)")
     thre: float = Field(5.0, ge=0, le=100, allow_inf_nan=False, description="the top percentage of each class "
                         "column's z-scores above its threshold (their --thre)")
     lr_scale: float = Field(0.1, gt=0, allow_inf_nan=False, description="the local learning rate's factor from "

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from pydantic import AfterValidator, Field
 from torch import nn
 
 from fedlt.algorithms import register
+from fedlt.bounds import MAX_EPOCHS, MAX_ROUNDS
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, RunContext, as_spec,
                                    build_aggregator, client_generator, upcast)
 from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Federated, Strategy, client_update
@@ -44,13 +44,8 @@ from fedlt.models import classifier, heads
 def _valid_head(spec: str | dict[str, Any]) -> str | dict[str, Any]:
     """A head spec whose name is registered and whose parameters its factory takes (the values
     are checked when the head is built, against the model's dimensions)."""
-    parsed = as_spec(spec)
-    name = parsed.pop("name", None)
     try:
-        factory = heads.REGISTRY.get(name)
-        inspect.signature(factory).bind(in_features=1, num_classes=2, **parsed)
-    except TypeError as exc:
-        raise ValueError(f"head {name!r}: {exc}") from None
+        heads.check_params(as_spec(spec))
     except FedltError as exc:
         raise ValueError(str(exc)) from None
     return spec
@@ -148,8 +143,12 @@ class FedETF(HeadFamily):
 
     loss: LossExpression = Field("balanced_softmax(absent='one')", description="the local objective, a loss expression")
     head: HeadSpec = Field("etf", description="the classifier head: FedETF's projection + fixed simplex ETF")
-    alternations: int = Field(20, ge=0, description="personalisation: alternations of fine-tuning M and the projection")
-    finetune_epochs: int = Field(3, ge=1, description="personalisation: epochs of each fine-tuning phase")
+    alternations: int = Field(20, ge=0, le=MAX_EPOCHS, description="personalisation: alternations of fine-tuning M "
+                                                                   "and the projection")
+    finetune_epochs: int = Field(3, ge=1, le=MAX_EPOCHS, description="personalisation: epochs of each fine-tuning "
+                                                                     "phase")
+    # its personal model fine-tunes the ETF head's own M and projection (``etf_finetune``)
+    personal_requires: ClassVar[frozenset[str]] = frozenset({"etf"})
     lr_proto: float = Field(0.1, gt=0, allow_inf_nan=False, description="personalisation: learning rate of M")
     lr_proj: float = Field(0.05, gt=0, allow_inf_nan=False, description="personalisation: learning rate of the "
                                                                        "projection layer")
@@ -303,7 +302,8 @@ class FedLF(FedAvgFamily):
 
     alpha: NonNegative = Field(0.25, le=1, description="α of the adaptive scale a_c = (1 − α)·p_c/max p + α")
     lam: NonNegative = Field(0.5, description="weight λ of the class-centre L1 term")
-    warm_up: int = Field(10, ge=0, description="rounds before the server's class centres are first formed")
+    warm_up: int = Field(10, ge=0, le=MAX_ROUNDS, description="rounds before the server's class centres are first "
+                                                              "formed")
     beta: NonNegative = Field(0.0, description="weight β of a feature-decorrelation term (FedDecorr's) on h; "
                                                "0 as the authors' code, which has none")
 
@@ -327,6 +327,7 @@ class FedNH(HeadFamily, Recalibrated):
     rate 1)."""
 
     head: HeadSpec = Field("prototypes", description="the classifier head: FedNH's class prototypes")
+    head_requires: ClassVar[frozenset[str]] = frozenset({"prototypes"})  # its clients train against them
     aggregator: AggregatorSpec = Field("mean", description="the server's aggregator spec (the authors' server: "
                                                            "the unweighted mean)")
     step: StepSpec = Field("fednh", description="the server-side step that moves the prototypes")
@@ -361,15 +362,24 @@ class WithAux(nn.Module):
 
     def __init__(self, g_head: nn.Module) -> None:
         super().__init__()
-        c, d = g_head.weight.shape
+        # g_aux reads the representation h, whose width the head declares (``in_features``): a
+        # head's class vectors may live in another space (the ETF's projection)
+        c, d = g_head.weight.shape[0], g_head.in_features
         self.g_head = g_head
         self.g_aux = nn.Linear(d, c).to(g_head.weight.device)
+        # GA-FR's evaluated model: g_aux re-aligned to this row norm instead of g_head (None: g_head).
+        # The same modules and state-dict keys either way, so a personal model loads its weights.
+        self.realign_scale: float | None = None
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.realign_scale is not None:
+            return global_realignment(self.g_aux.weight, self.realign_scale)
         return self.g_head.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.realign_scale is not None:
+            return F.linear(h.flatten(1), self.weight, self.g_aux.bias)
         return self.g_head(h)
 
 
@@ -501,10 +511,8 @@ class FedLoGeStrategy(Strategy):
         if self.global_head == "g_head":
             return self.model
         if self._inference is None:
-            aux = g_aux(self.model)
-            model = copy.deepcopy(self.model)
-            self._inference = heads.swap(model, linear_head(global_realignment(aux.weight.detach(), self.scale),
-                                                            aux.bias.detach()))
+            self._inference = copy.deepcopy(self.model)
+            classifier(self._inference).realign_scale = self.scale
         return self._inference
 
 
@@ -519,6 +527,7 @@ class FedLoGe(HeadFamily):
     re-aligned to l_head's row norms (LA-FR), the classes it lacks masked."""
 
     head: HeadSpec = Field("sse_c", description="the classifier head: FedLoGe's fixed SSE-C (g_head)")
+    head_requires: ClassVar[frozenset[str]] = frozenset({"in_features"})  # g_aux and l_head read h
     global_head: Literal["g_head", "g_aux"] = Field("g_head", description="the evaluated global classifier: the "
                                                     "SSE-C, or g_aux re-aligned by GA-FR")
     realign_scale: float = Field(1.7, gt=0, allow_inf_nan=False, description="GA-FR: the norm g_aux's rows are "

@@ -70,6 +70,7 @@ class EvalTask:
     schedule: LocalSchedule | None = None  # finetune: the local schedule (epochs = E)
     objective: str = "ce"  # finetune: the local objective
     eval_batch: int = 2048  # test samples per no-grad forward
+    new_client: bool = False  # a client held out of training (new_clients): it never had a state
 
     @property
     def round_index(self) -> int:
@@ -174,7 +175,7 @@ def eval_mode_of(spec: dict[str, Any]) -> EvalModeSpec:
         errors = getattr(exc, "errors", None)
         detail = errors()[0] if callable(errors) else None
         where = ".".join(str(p) for p in detail["loc"]) if detail and detail.get("loc") else ""
-        text = detail["msg"] if detail else str(exc).splitlines()[0]
+        text = detail["msg"].removeprefix("Value error, ") if detail else str(exc).splitlines()[0]
         raise FedltError(f"{name}: {where + ': ' if where else ''}{text}") from None
 
 

@@ -43,12 +43,13 @@ from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
 from fedlt.algorithms.stateful import add_to_grad, features_of
+from fedlt.bounds import MAX_EPOCHS
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import classifier
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Epochs = Annotated[int, Field(ge=1)]
+Epochs = Annotated[int, Field(ge=1, le=MAX_EPOCHS)]
 PARTS = ("none", "all", "head", "body", "personal_head", "global")
 PERSONAL = "personal"  # the key of a client's own part in its state
 
@@ -213,9 +214,24 @@ class Personalised(FedAvgFamily):
         return place_model(model, eval_device(task))
 
     def personal_model(self, task: EvalTask) -> nn.Module:
+        """The global model with the client's kept part; a new client (``task.new_client``) of a
+        method that keeps the head gets the global body with a head trained on its data, the body
+        frozen — FedRep's protocol for new clients (Collins et al. 2021, §5: the learned
+        representation, a new local head)."""
         model = self.fresh_model(task)
         model.load_state_dict(task.weights | task.state.get(PERSONAL, {}))
+        if task.new_client and self.keep == "head" and PERSONAL not in task.state:
+            if task.data is None:
+                raise FedltError(f"{type(self).__name__}'s personal model of new client {task.cid} trains its head: "
+                                 "its evaluation task needs its training data")
+            schedule = self.new_head_schedule(task)
+            with frozen(model, part_keys(model, "body")):
+                finetune(model, dataclasses.replace(task, schedule=schedule), FinetuneUpdate())
         return model.eval()
+
+    def new_head_schedule(self, task: EvalTask) -> Any:
+        """How a new client's head is trained: one round's local schedule."""
+        return task.schedule or self._ctx.schedule(self._ctx.batch_size)
 
 
 # -- local, FedPer, FedRep, LG-FedAvg ------------------------------------------------------------------
@@ -247,6 +263,10 @@ class FedRep(Personalised):
 
     def client_fn(self) -> ClientUpdate:
         return RepUpdate(self.keep, self.freeze, self.shared, head_epochs=self.head_epochs)
+
+    def new_head_schedule(self, task: EvalTask) -> Any:
+        """A new client's head: ``head_epochs`` epochs, as a round's head phase."""
+        return dataclasses.replace(super().new_head_schedule(task), epochs=self.head_epochs, iters=None)
 
 
 class LGFedAvg(Personalised):

@@ -27,6 +27,7 @@ from torch import nn
 import fedlt.server_steps
 from fedlt.algorithms import preset
 from fedlt.algorithms.base import ClientData, RunContext, as_spec, build_aggregator, client_generator, spec_of
+from fedlt.algorithms.compatibility import check_built
 from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask
 from fedlt.context import RoundContext
@@ -201,7 +202,9 @@ class Recalibrated(FedAvgFamily):
         return StepUpdate(self.step_spec())
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
-        return StepStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, build_step(self.step_spec()))
+        step = build_step(self.step_spec())
+        check_built(f"server step {self.step_spec()['name']!r}", fedlt.server_steps.requires(step), classifier(model))
+        return StepStrategy(model, build_aggregator(self.aggregator), ctx, self.loss, step)
 
     def train_round(self, round: RoundContext, participants: list[ClientData], states: ClientStates,
                     runner: ClientRunner) -> dict[str, float]:

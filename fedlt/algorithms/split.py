@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 from torch import nn
 
 from fedlt.algorithms import preset, split_client, split_server
@@ -37,6 +37,7 @@ from fedlt.algorithms.split_server import ServerSide
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
 from fedlt.models import classifier, split
+from fedlt.spec import Params
 
 
 SessionSpec = spec_of(split_client.REGISTRY, "client session")
@@ -95,7 +96,7 @@ class SplitStrategy:
         self.aggregator.load_state_dict(state.get("aggregator", {}))
 
 
-class SplitLearning(BaseModel):
+class SplitLearning(Params):
     """Split FL; the defaults are SCALA (SPEC §3). The other algorithms are other parts:
 
     - ``client``: the client session (spec) — ``activation`` (clients get the gradient of their

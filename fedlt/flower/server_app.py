@@ -90,6 +90,7 @@ class FlowerRunner(Runner):
         stops answering keeps its partition until another node claims it, so a stalled node that
         resumes serves again, and a dead one that is still listed costs no wait here."""
         first = not self._asked
+        everyone = self.config.partition_clients  # the new clients' nodes too: they are evaluated there
         deadline = time.monotonic() + (self.node_wait if first else self.reply_wait)
         waiting: set[str] = set()  # this call's queries
         refused: dict[int, str] = {}  # node -> its error, the first time
@@ -112,13 +113,13 @@ class FlowerRunner(Runner):
                     if not self.tolerate:  # under drop, another node may yet claim its partition
                         raise FedltError(f"asking the SuperNodes for their partitions: node {node} failed: "
                                          f"{refused[node]}")
-            complete = len(self._nodes.keys() & set(range(self.config.clients))) == self.config.clients
+            complete = len(self._nodes.keys() & set(range(everyone))) == everyone
             if (complete if first else not waiting) or time.monotonic() >= deadline:
                 break
             time.sleep(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
-        missing = sorted(set(range(self.config.clients)) - set(self._nodes))
+        missing = sorted(set(range(everyone)) - set(self._nodes))
         if missing and first:
-            raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {self.config.clients} after "
+            raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {everyone} after "
                              f"{self.node_wait:.0f}s ({len(self._asked)} node(s) connected); start one per client with "
                              "--node-config 'partition-id=K'"
                              + "".join(f"; node {node} answered: {reason}" for node, reason in refused.items()))

@@ -198,7 +198,7 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
                 try:
                     start_ray(num_cpus)
                     signals.install()  # over the SIGTERM handler ray.init installed
-                    run_simulation(server_app, client_app, num_supernodes=max(job.config.clients for job in jobs),
+                    run_simulation(server_app, client_app, num_supernodes=max(job.config.partition_clients for job in jobs),
                                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                                    "init_args": {"logging_level": logging.ERROR,
                                                                  "log_to_driver": False}})

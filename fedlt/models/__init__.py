@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fedlt import bounds
 from fedlt.context import use_model_builder
 from fedlt.errors import FedltError, first_line
 from fedlt.models.alexnet import MLP, AlexNet
@@ -77,6 +78,34 @@ def build(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.
 
 
 use_model_builder(build)  # ModelSpec.build (fedlt.context, the bottom layer) builds through it
+
+
+def check_fits(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> None:
+    """``spec`` against the data before anything is allocated (issue 46): the input and the
+    model's weights within fedlt.bounds' tensor limit, and a forward of one sample's shape on the
+    meta device (no memory, no arithmetic) — a ViT's patch size against the image, a convolution's
+    kernel against what is left of it — each a FedltError line naming the model and the input."""
+    size = f"{in_chans}x{image_size}x{image_size}"
+    if min(in_chans, image_size, num_classes) < 1:
+        raise FedltError(f"model {spec!r}: in_chans, image_size and num_classes must be >= 1, got {size} and "
+                         f"{num_classes} classes")
+    bounds.tensor_bytes(f"model {spec!r}", (1, in_chans, image_size, image_size), 4, f"one {size} input")
+    with torch.device("meta"):
+        model = build(spec, in_chans=in_chans, num_classes=num_classes, image_size=image_size)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if weights > bounds.tensor_limit():
+        raise FedltError(f"model {spec!r}: {bounds.gib(weights)} of weights for {size} inputs, more than the "
+                         f"{bounds.gib(bounds.tensor_limit())} allowed")
+    try:
+        with torch.no_grad(), eval_mode(model):
+            model(torch.empty(1, in_chans, image_size, image_size, device="meta"))
+    except NotImplementedError:  # an operation without a meta kernel: the real forward will tell
+        return
+    except Exception as exc:  # noqa: BLE001  (whatever the model raises on this shape: one line)
+        if "meta" in str(exc):  # a value read on the meta device (.item()): the real forward will tell
+            return
+        raise FedltError(f"model {spec!r} does not take {size} inputs: {type(exc).__name__}: {first_line(exc)} "
+                         "(another model, or a resize in --augment, fits the data)"[:400]) from None
 
 
 def classifier(model: nn.Module) -> nn.Linear:

@@ -12,11 +12,19 @@ What a head fixes is a buffer, not a parameter (no optimiser, no aggregator move
 from the head's own ``seed`` so every node builds the same one; the head's trainable parameters
 are drawn under the same seed, so a node that builds the model alone (a Flower client) starts
 from the same weights as the server.
+
+What a head offers the parts that read it is declared, not discovered by an AttributeError
+(issue 46): ``provides`` on the factory (and on its module class) names its capabilities from
+``CAPABILITIES``; an algorithm, a server step or a personal model declares what it ``requires``,
+and the run's configuration refuses a composition that lacks something before anything is
+written (fedlt.algorithms.compatibility). A factory's ``check(**params)`` validates the
+parameters' values without building anything (the config boundary).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -25,10 +33,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlt import bounds
 from fedlt.errors import FedltError
 from fedlt.registry import Registry
 
 _HEAD_KEYS = ("in_features", "num_classes")  # what the model, not the spec, decides
+
+
+# What a classifier can offer the parts that read it (docs/plugins.md, "Compatibility"):
+CAPABILITIES: dict[str, str] = {
+    "linear": "logits = h·Wᵀ + b over the classifier's input h, with ``weight`` (C×d) and ``bias`` (C) to read "
+              "and write (what re-training server steps fit)",
+    "prototypes": "``weight`` holds C×d class prototypes over the normalised input, a buffer the server moves "
+                  "(FedNH's)",
+    "etf": "FedETF's projection ``linear_proto`` and fixed simplex ETF ``proto`` (what FedETF's personalisation "
+           "fine-tunes)",
+    "in_features": "``in_features``: the width d of the representation it reads",
+}
+LINEAR = frozenset({"linear", "in_features"})  # what a model's own nn.Linear classifier provides
+
+
+def provides(*capabilities: str):
+    """Decorator: declares what a head (its factory or module class) provides, from CAPABILITIES."""
+    unknown = sorted(set(capabilities) - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(f"unknown head capabilities {unknown} (known: {', '.join(CAPABILITIES)})")
+
+    def mark(obj):
+        obj.provides = frozenset(capabilities)
+        return obj
+
+    return mark
+
+
+def provided(name: str) -> frozenset[str]:
+    """What the registered head ``name`` declares it provides (nothing when it declares nothing)."""
+    return frozenset(getattr(REGISTRY.get(name), "provides", ()))
+
+
+def classifier_provides(module: nn.Module) -> frozenset[str]:
+    """What a built classifier provides: its declaration, or LINEAR for a plain nn.Linear."""
+    return LINEAR if isinstance(module, nn.Linear) else frozenset(getattr(module, "provides", ()))
 
 
 def _module_check(obj) -> str | None:
@@ -52,18 +97,15 @@ def simplex_etf(a: torch.Tensor) -> torch.Tensor:
     return math.sqrt(c / (c - 1)) * p @ centre
 
 
-def _check_int(head: str, name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise FedltError(f"head {head!r}: {name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def _check_positive(head: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise FedltError(f"head {head!r}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return bounds.finite(f"head {head!r}", name, value, low=0, low_open=True)
 
 
+def _check_seed(head: str, value: Any) -> int:
+    return bounds.seed(f"head {head!r}", "seed", value)
+
+
+@provides("etf", "in_features")
 class ETFHead(nn.Module):
     """FedETF's head (Li et al., ICCV 2023, eq. 3–4; the authors' ``models_dict``):
     z = β · (u/‖u‖₂)ᵀ M with u = W_p h + b_p (the projection layer ``linear_proto``), ‖u‖ clamped
@@ -84,6 +126,10 @@ class ETFHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.proto.t()
 
+    @property
+    def in_features(self) -> int:
+        return self.linear_proto.in_features
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return etf_logits(h.flatten(1), self.linear_proto.weight, self.linear_proto.bias, self.proto,
                           self.scaling_train)
@@ -97,7 +143,14 @@ def etf_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, proto: torch.T
     return scale * (u @ proto)
 
 
+def _etf_check(proj_dim: int | None = None, scale: float = 1.0, seed: int = 0) -> None:
+    if proj_dim is not None:
+        bounds.integer("head 'etf'", "proj_dim", proj_dim, 1, bounds.MAX_DIM)
+    _check_positive("etf", "scale", scale), _check_seed("etf", seed)
+
+
 @register("etf")
+@provides("etf", "in_features")
 def etf(in_features: int, num_classes: int, proj_dim: int | None = None, scale: float = 1.0,
         seed: int = 0) -> ETFHead:
     """FedETF's fixed simplex-ETF classifier behind a learnable projection and temperature.
@@ -109,13 +162,20 @@ def etf(in_features: int, num_classes: int, proj_dim: int | None = None, scale: 
             their CNN)
         seed: seed of the ETF's random orthogonal basis and the projection's initial weights
     """
-    proj_dim = num_classes if proj_dim is None else _check_int("etf", "proj_dim", proj_dim, 1)
+    _etf_check(proj_dim, scale, seed)
+    proj_dim = num_classes if proj_dim is None else proj_dim
     if proj_dim < num_classes:
         raise FedltError(f"head 'etf': proj_dim must be >= the number of classes {num_classes}, got {proj_dim}")
-    return ETFHead(in_features, num_classes, proj_dim, _check_positive("etf", "scale", scale),
-                   _check_int("etf", "seed", seed, 0))
+    # the projection (float32) and the QR of the proj_dim×C draw (float64) are the largest tensors
+    bounds.tensor_bytes("head 'etf'", (proj_dim, in_features), 4, f"proj_dim={proj_dim} on {in_features} features")
+    bounds.tensor_bytes("head 'etf'", (proj_dim, num_classes), 8, f"proj_dim={proj_dim} × {num_classes} classes")
+    return ETFHead(in_features, num_classes, proj_dim, float(scale), seed)
 
 
+etf.check = _etf_check
+
+
+@provides("prototypes", "in_features")
 class PrototypeHead(nn.Module):
     """FedNH's head (Dai et al., AAAI 2023; the authors' ``Conv2CifarNH``): z = s · (h/‖h‖₂) Pᵀ
     with ‖h‖ clamped at 1e-12, P the C×d class prototypes — fixed during local training (a buffer,
@@ -135,6 +195,10 @@ class PrototypeHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.prototype
 
+    @property
+    def in_features(self) -> int:
+        return self.prototype.shape[1]
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return prototype_logits(h.flatten(1), self.prototype, self.scaling)
 
@@ -145,7 +209,12 @@ def prototype_logits(h: torch.Tensor, prototype: torch.Tensor, scale: torch.Tens
     return scale * (h @ prototype.t())
 
 
+def _prototypes_check(scale: float = 1.0, seed: int = 0) -> None:
+    _check_positive("prototypes", "scale", scale), _check_seed("prototypes", seed)
+
+
 @register("prototypes")
+@provides("prototypes", "in_features")
 def prototypes(in_features: int, num_classes: int, scale: float = 1.0, seed: int = 0) -> PrototypeHead:
     """FedNH's class prototypes: uniformly spread (orthogonal) unit vectors, fixed on the
     clients and moved by the server, behind a learnable scale.
@@ -154,8 +223,12 @@ def prototypes(in_features: int, num_classes: int, scale: float = 1.0, seed: int
         scale: initial learnable scale s (``scaling``: 1.0 for the authors' Conv2Cifar, 20.0 for their ResNet)
         seed: seed of the prototypes' orthogonal initialisation
     """
-    return PrototypeHead(in_features, num_classes, _check_positive("prototypes", "scale", scale),
-                         _check_int("prototypes", "seed", seed, 0))
+    _prototypes_check(scale, seed)
+    bounds.tensor_bytes("head 'prototypes'", (num_classes, in_features), 4, f"{num_classes} prototypes of {in_features}")
+    return PrototypeHead(in_features, num_classes, float(scale), seed)
+
+
+prototypes.check = _prototypes_check
 
 
 def sparse_etf(feat_in: int, num_classes: int, rng: np.random.RandomState, beta: float = 0.6,
@@ -195,6 +268,7 @@ def _sparse_etf_cached(feat_in: int, num_classes: int, sparsity: float, steps: i
     return sparse_etf(feat_in, num_classes, np.random.RandomState(seed), sparsity, steps)
 
 
+@provides("linear", "in_features")
 class SparseETFHead(nn.Module):
     """FedLoGe's global head ``g_head`` with the SSE-C (the authors' fedloge.py, ``cls_switch =
     "SSE-C"``): z = h Wᵀ + b with W = the sparse ETF's transpose (C×d) and b a linear layer's
@@ -213,11 +287,26 @@ class SparseETFHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.fixed_weight
 
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.fixed_bias
+
+    @property
+    def in_features(self) -> int:
+        return self.fixed_weight.shape[1]
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h.flatten(1), self.fixed_weight, self.fixed_bias)
 
 
+def _sse_c_check(sparsity: float = 0.6, steps: int = 10_000, seed: int = 0) -> None:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise FedltError(f"head 'sse_c': sparsity must be in [0, 1), got {sparsity!r}")
+    bounds.integer("head 'sse_c'", "steps", steps, 0, bounds.MAX_STEPS), _check_seed("sse_c", seed)
+
+
 @register("sse_c")
+@provides("linear", "in_features")
 def sse_c(in_features: int, num_classes: int, sparsity: float = 0.6, steps: int = 10_000,
           seed: int = 0) -> SparseETFHead:
     """FedLoGe's static sparse equiangular classifier (SSE-C), fixed.
@@ -227,12 +316,32 @@ def sse_c(in_features: int, num_classes: int, sparsity: float = 0.6, steps: int 
         steps: Adam steps that re-spread the sparse vectors (the authors' 10 000)
         seed: seed of the ETF's basis, the zeroed entries and the fixed bias
     """
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-        raise FedltError(f"head 'sse_c': sparsity must be in [0, 1), got {sparsity!r}")
+    _sse_c_check(sparsity, steps, seed)
     if num_classes < 2 or in_features < num_classes:
         raise FedltError(f"head 'sse_c': needs 2 <= classes <= the representation size {in_features}")
-    return SparseETFHead(in_features, num_classes, float(sparsity), _check_int("sse_c", "steps", steps, 0),
-                         _check_int("sse_c", "seed", seed, 0))
+    bounds.tensor_bytes("head 'sse_c'", (in_features, num_classes), 8, f"{num_classes} classes on {in_features} features")
+    return SparseETFHead(in_features, num_classes, float(sparsity), steps, seed)
+
+
+sse_c.check = _sse_c_check
+
+
+def check_params(spec: dict[str, Any]) -> None:
+    """A head spec's parameter names (against its factory) and values (its ``check``, when it has
+    one), with nothing built: a FedltError line otherwise."""
+    params = dict(spec)
+    name = params.pop("name", None)
+    factory = REGISTRY.get(name)
+    fixed = sorted(set(params) & set(_HEAD_KEYS))
+    if fixed:
+        raise FedltError(f"head {name!r}: {', '.join(fixed)} come(s) from the model, not the head spec")
+    try:
+        inspect.signature(factory).bind(in_features=1, num_classes=2, **params)
+    except TypeError as exc:
+        raise FedltError(f"head {name!r}: {exc}") from None
+    check = getattr(factory, "check", None)
+    if check is not None:
+        check(**params)
 
 
 # -- attaching a head ---------------------------------------------------------------------------
@@ -280,5 +389,6 @@ def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     return model
 
 
-__all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "swap", "build_head", "simplex_etf", "etf_logits",
+__all__ = ["REGISTRY", "register", "get", "create", "list", "attach", "CAPABILITIES", "LINEAR", "provides",
+           "provided", "classifier_provides", "check_params", "swap", "build_head", "simplex_etf", "etf_logits",
            "ETFHead", "PrototypeHead", "prototype_logits", "SparseETFHead", "sparse_etf"]

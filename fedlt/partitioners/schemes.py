@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_serializer, field_validator
 
+from fedlt.bounds import MAX_SAMPLES as MAX_COUNT  # no partition of a dataset that fits in memory needs more
 from fedlt.errors import FedltError
 from fedlt.partitioners import REGISTRY, register  # defined before fedlt.partitioners imports this module
 from fedlt.partitioners.base import Partitioner
@@ -78,7 +79,7 @@ class Dirichlet(Partitioner):
     # above 1e6 the draws are iid's proportions to 6 digits; near 1e308 the Dirichlet sums overflow
     beta: float = Field(gt=0, le=1e6, allow_inf_nan=False,
                         description="concentration; small = strong skew (at most 1e6: beyond, use iid)")
-    min_size: int = Field(10, ge=1, description="fewest samples any client may hold")
+    min_size: int = Field(10, ge=1, le=MAX_COUNT, description="fewest samples any client may hold")
 
     def draw(self, class_sizes: np.ndarray, num_clients: int, rng: np.random.Generator) -> np.ndarray | None:
         """One draw of the C×K class counts, or None when a class had nowhere to go."""
@@ -130,7 +131,7 @@ class Quantity(Partitioner):
     """
 
     name = "quantity"
-    alpha: int = Field(ge=1, description="classes (portions) per client")
+    alpha: int = Field(ge=1, le=MAX_COUNT, description="classes (portions) per client")
 
     def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
         alpha, what = self.alpha, f"quantity(alpha={self.alpha})"
@@ -166,7 +167,7 @@ class Shards(Partitioner):
     """
 
     name = "shards"
-    shards_per_client: int = Field(ge=1, description="shards s given to each client")
+    shards_per_client: int = Field(ge=1, le=MAX_COUNT, description="shards s given to each client")
 
     def assign(self, y: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
         s, shards = self.shards_per_client, num_clients * self.shards_per_client

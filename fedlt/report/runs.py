@@ -44,10 +44,14 @@ class Run:
 
 
 NUMBER_FIELDS = ("balanced_accuracy", "loss", "train_loss", "many_accuracy", "medium_accuracy", "few_accuracy",
-                 "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
+                 "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy", "new_clients_client_mean_accuracy",
+                 "new_clients_client_min_accuracy", "new_clients_client_std_accuracy")
 
 
-PER_CLIENT_MODES = ("global_local", "personal", "finetune")  # SPEC §7's per-client modes, the prefixes of their fields
+# SPEC §7's per-client modes, the prefixes of their fields; then the same over the clients that never
+# trained (new_clients, docs/evaluation.md), reported apart
+PER_CLIENT_MODES = ("global_local", "personal", "finetune",
+                    "new_clients_global_local", "new_clients_personal", "new_clients_finetune")
 PER_CLIENT_SHOWN = ("mean", "mean_weighted", "min", "worst10", "std", "many", "medium", "few")
 # a per-client mode's accuracy fields (SPEC §7), whatever comes before the mode (``new_`` clients')
 _PER_CLIENT_ACCURACY = re.compile(rf"(^|_)({'|'.join(PER_CLIENT_MODES)})_({'|'.join(PER_CLIENT_SHOWN)})$")

@@ -27,23 +27,28 @@ from fedlt.algorithms.base import ClientData, NonFiniteLoss
 from fedlt.algorithms.personal import ClientScores, EvalModeSpec, EvalTask, GlobalLocal, eval_mode_of, score_clients
 from fedlt.algorithms.protocol import ClientFailure, ClientStates, evaluate_with
 from fedlt.algorithms.split import classifier_of
-from fedlt.metrics import evaluate, per_client_summary
+from fedlt.metrics import client_metrics, evaluate, per_client_summary
 from fedlt.models import eval_mode
 from fedlt.run.parts import client_data, client_test_data, group_classes, test_rows
 
 # what a post-hoc calibration (e.g. tau_norm) adds to an evaluated row, as "<name>_<key>"
 POSTHOC_KEYS = ("accuracy", "balanced_accuracy", "many_accuracy", "medium_accuracy", "few_accuracy")
+NEW = "new_clients_"  # the prefix of every field about the clients that never train (new_clients)
 
 
-def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.ndarray | None
-              ) -> tuple[dict[str, Any], float]:
+def scores_of(model: torch.nn.Module, number: int, prep: Any, client_counts: np.ndarray | None,
+              new_counts: np.ndarray | None = None) -> tuple[dict[str, Any], float]:
     """The evaluation fields of round ``number``'s global model (and of its post-hoc
-    calibrations), and the seconds they took."""
+    calibrations), and the seconds they took; ``client_counts`` / ``new_counts``: the training
+    clients' / the new clients' class counts, for their expected accuracies (``client_*``,
+    ``new_clients_client_*``)."""
     config, data = prep.config, prep.data
     device = torch.device(config.device)
     began = time.perf_counter()
     scores = evaluate(model, data.x_test, data.y_test.cpu(), data.num_classes, prep.groups, config.eval_batch,
                       device, client_counts)
+    if new_counts is not None:
+        scores.update({f"{NEW}{k}": v for k, v in client_metrics(scores["per_class_accuracy"], new_counts).items()})
     if not np.isfinite(scores["loss"]):  # finite weights whose logits overflow float32
         raise NonFiniteLoss(f"round {number}: the global model's test loss is {scores['loss']} (its logits overflow)")
     for spec in config.posthoc:  # calibrated copies of the global model, reported beside it
@@ -78,7 +83,8 @@ class ClientEvaluation:
     worst10, many / medium / few by the client's own training counts, clients), ``loss`` (the mean
     test cross-entropy over all the clients' test samples), ``client_accuracy`` (each client's
     accuracy, in client order; ``client_ids`` beside it when not every client is there) and
-    ``failed`` (client -> why) when a tolerant runner lost some."""
+    ``failed`` (client -> why) when a tolerant runner lost some. The clients that never train
+    (``new_clients``) get the same fields, all of them every time, as ``new_clients_<mode>_*``."""
 
     def __init__(self, prep: Any, runner: Any, states: ClientStates,
                  source: tuple[Any, torch.Tensor] | None = None) -> None:
@@ -86,47 +92,52 @@ class ClientEvaluation:
         self.prep, self.runner, self.states, self.source = prep, runner, states, source
         self.modes: list[EvalModeSpec] = [eval_mode_of(spec) for spec in config.client_eval_modes()]
         self.clients = eval_clients(config.clients, config.client_eval_fraction, config.seeds.sampling)
+        self.new = prep.new_clients  # all of them, every evaluation: they are few, and never sampled
         self.device = torch.device(config.device)
 
     def __bool__(self) -> bool:
         return bool(self.modes)
 
     def __call__(self, number: int) -> dict[str, Any]:
-        """The fields of round ``number`` (its global model and the clients' states at its end)."""
+        """The fields of round ``number`` (its global model and the clients' states at its end):
+        the training clients' ``<mode>_*``, then the new clients' ``new_clients_<mode>_*``."""
         model = self.prep.algorithm.global_model()
         weights, classifier = model.state_dict(), classifier_of(model)
         row: dict[str, Any] = {}
-        done: dict[EvalModeSpec, list[Any]] = {}
-        for mode in self.modes:
-            run = self.runs_as(mode)
-            if run not in done and isinstance(run, GlobalLocal):
-                done[run] = self.global_local(model)
-            elif run not in done:
-                done[run] = []
-                for start in range(0, len(self.clients), CHUNK):
-                    tasks = [self.task(run, cid, number - 1, weights, classifier)
-                             for cid in self.clients[start:start + CHUNK]]
-                    try:
-                        done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
-                    except NonFiniteLoss as exc:  # a fine-tune diverged: the evaluation's, not the training's
-                        raise NonFiniteLoss(f"round {number}'s {run.name} evaluation (on a copy of the round's "
-                                            f"model; training was not affected): {exc}") from None
-            row.update(self.fields(mode.name, done[run]))
+        for prefix, clients, everyone in (("", self.clients, range(self.prep.config.clients)),
+                                          (NEW, self.new, self.new)):
+            done: dict[EvalModeSpec, list[Any]] = {}
+            for mode in self.modes if clients else ():
+                run = self.runs_as(mode)
+                if run not in done and isinstance(run, GlobalLocal):
+                    done[run] = self.global_local(model, clients)
+                elif run not in done:
+                    done[run] = []
+                    for start in range(0, len(clients), CHUNK):
+                        tasks = [self.task(run, cid, number - 1, weights, classifier)
+                                 for cid in clients[start:start + CHUNK]]
+                        try:
+                            done[run] += evaluate_with(self.runner, self.prep.algorithm, tasks)
+                        except NonFiniteLoss as exc:  # a fine-tune diverged: the evaluation's, not the training's
+                            raise NonFiniteLoss(f"round {number}'s {run.name} evaluation (on a copy of the round's "
+                                                f"model; training was not affected): {exc}") from None
+                row.update(self.fields(prefix + mode.name, done[run], list(everyone)))
         return row
 
-    def global_local(self, model: torch.nn.Module) -> list[ClientScores]:
-        """``global_local`` for every evaluated client in one pass: the global model scores each
-        row any client tests on once (matched test sets are rows of the test set, holdout parts
-        rows of the training set), every client's numbers gathered from those rows — the same
-        as the per-client loop (tests/test_personal_eval.py), without a pass per client."""
-        held = self.prep.client_tests
-        chosen = [np.asarray(held.test_indices[cid], dtype=np.int64) for cid in self.clients]
+    def global_local(self, model: torch.nn.Module, clients: list[int] | None = None) -> list[ClientScores]:
+        """``global_local`` for ``clients`` (default: the evaluated training clients) in one pass:
+        the global model scores each row any client tests on once (matched test sets are rows of
+        the test set, holdout parts rows of the training set), every client's numbers gathered
+        from those rows — the same as the per-client loop (tests/test_personal_eval.py), without
+        a pass per client."""
+        held, clients = self.prep.client_tests, self.clients if clients is None else clients
+        chosen = [np.asarray(held.test_indices[cid], dtype=np.int64) for cid in clients]
         union, where = np.unique(np.concatenate(chosen) if chosen else np.zeros(0, np.int64), return_inverse=True)
         x, y = test_rows(self.prep, union, self.device, self.source)
         rows = ClientData(-1, x, y, torch.zeros(0, dtype=torch.int64))
         positions = [torch.as_tensor(p) for p in np.split(where.reshape(-1), np.cumsum([len(c) for c in chosen])[:-1])]
         with eval_mode(model):
-            return score_clients(model, rows, positions, self.clients, self.prep.ctx.num_classes,
+            return score_clients(model, rows, positions, clients, self.prep.ctx.num_classes,
                                  self.prep.config.eval_batch)
 
     def runs_as(self, mode: EvalModeSpec) -> EvalModeSpec:
@@ -146,9 +157,12 @@ class ClientEvaluation:
                         self.states.get(cid) if mode.name == "personal" else {}, mode.name,
                         data=client_data(prep, cid, self.device, self.source) if mode.name != "global_local" else None,
                         test=client_test_data(prep, cid, self.device, self.source), schedule=schedule,
-                        objective=getattr(mode, "loss", "ce"), eval_batch=prep.config.eval_batch)
+                        objective=getattr(mode, "loss", "ce"), eval_batch=prep.config.eval_batch,
+                        new_client=cid >= prep.config.clients)
 
-    def fields(self, prefix: str, outcomes: list[Any]) -> dict[str, Any]:
+    def fields(self, prefix: str, outcomes: list[Any], everyone: list[int]) -> dict[str, Any]:
+        """The row fields ``<prefix>_*`` of one mode's outcomes; ``client_ids`` when they are not
+        ``everyone`` (a sample of the clients, or some lost)."""
         scored = [o for o in outcomes if isinstance(o, ClientScores)]
         num_classes = self.prep.ctx.num_classes
         empty = np.zeros((0, num_classes), np.int64)
@@ -161,7 +175,7 @@ class ClientEvaluation:
         out[f"{prefix}_loss"] = float(sum(o.loss_sum for o in scored) / sizes.sum()) if sizes.sum() else None
         out[f"{prefix}_client_accuracy"] = [round(float(c / n), 6) if n else None
                                             for c, n in zip(correct.sum(1), sizes)]
-        if cids != list(range(self.prep.config.clients)):
+        if cids != everyone:
             out[f"{prefix}_client_ids"] = cids
         failed = {str(o.cid): o.reason for o in outcomes if isinstance(o, ClientFailure)}
         if failed:
@@ -196,12 +210,14 @@ class Evaluator:
 
     def __init__(self, prep: Any, overlapped: bool, clients: ClientEvaluation | None = None) -> None:
         self.prep, self.clients = prep, clients
-        self.client_counts = prep.counts.numpy() if prep.config.client_eval_expected() else None
+        expected = prep.config.client_eval_expected()
+        self.client_counts = prep.training_counts.numpy() if expected else None
+        self.new_counts = prep.counts[prep.config.clients:].numpy() if expected and prep.new_clients else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fedlt-eval") if overlapped else None
         self.pending: _Pending | None = None
 
     def scores(self, model: torch.nn.Module, number: int) -> tuple[dict[str, Any], float]:
-        return scores_of(model, number, self.prep, self.client_counts)
+        return scores_of(model, number, self.prep, self.client_counts, self.new_counts)
 
     def submit(self, row: dict[str, Any], number: int, train_s: float, started: float, evaluated: bool,
                snapshot: Any = None) -> Finished | None:

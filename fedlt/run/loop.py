@@ -28,7 +28,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from fedlt import io, rundir
 from fedlt.algorithms.base import NonFiniteLoss, from_spec
 from fedlt.algorithms.cohort import cohort_fallback
 from fedlt.algorithms.protocol import ClientRunner, copy_tensors
-from fedlt.config import RunConfig
+from fedlt.config import RunConfig, recorded as recorded_config
 from fedlt.datasets.source import images
 from fedlt.errors import FedltError
 from fedlt.faults import PolicyRunner, RoundIncomplete
@@ -49,7 +50,7 @@ from fedlt.uploads import UploadRunner, UploadSettings
 from fedlt.uploads import summary as upload_summary
 from fedlt.metrics import PER_CLIENT_HIGHER, PER_CLIENT_KEYS, best_of
 from fedlt.run import parts
-from fedlt.run.evaluation import ClientEvaluation, Evaluator, Finished
+from fedlt.run.evaluation import NEW, ClientEvaluation, Evaluator, Finished
 from fedlt.run.resume import Checkpoints, RunState, check_resumable, restore, store
 from fedlt.run.signals import RunStopped, stop_on_signal
 
@@ -232,9 +233,9 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     """The run's parts and state (from its checkpoint when resuming), checked before anything is
     written: a bad setting or checkpoint leaves the directory as it was; then its first files."""
     out = Path(config.out)
-    partition = None
+    partition, recorded = None, None
     if resume:
-        check_resumable(out, config)
+        recorded = check_resumable(out, config)
         partition = fedlt.partitioners.Partition.load(out / "partition.npz")
     prep = parts.prepare(config, partition)
     if resume:
@@ -243,18 +244,33 @@ def start(config: RunConfig, resume: bool) -> tuple[parts.Prepared, RunState]:
     state = RunState(round=0, metrics=[], wall_time=0.0, client_states=store(out, config), data_fingerprint=fingerprint)
     checkpoint = out / "checkpoint.pt"
     if resume and checkpoint.exists():
-        state = restore(prep, io.load_checkpoint(checkpoint), checkpoint, config, fingerprint)
+        state = restore(prep, io.load_checkpoint(checkpoint), checkpoint, config, fingerprint, recorded)
         if len(state.client_states):  # states read back must be ones this algorithm can have written
             state.client_states.expect(parts.client_state_template(prep, max(state.round - 1, 0)), checkpoint)
     rundir.remove_leftovers(out)  # temporary files of a write a kill interrupted
     state.client_states.discard_uncommitted()  # and the client-state files written after the checkpoint
-    io.write_json(out / "config.json", config.model_dump(mode="json"))
+    io.write_json(out / "config.json", recorded_config(config))
     if not resume:
         io.write_json(out / "partition.json", prep.manifest())
         prep.partition.save(out / "partition.npz")
     io.write_lines(out / "metrics.jsonl", state.metrics)  # on resume: drop lines written after the checkpoint
     (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is rewritten at its end
     return prep, state
+
+
+@contextmanager
+def run_threads(config: RunConfig) -> Iterator[RunConfig]:
+    """The run's torch intra-op threads, set for its duration (the process's count restored after):
+    ``config.threads``, or the count the process has, written into the config the run records — a
+    float reduction split over another number of threads rounds differently, so a rerun from the
+    run's config.json needs the same count to give the same bits."""
+    before = torch.get_num_threads()
+    threads = config.threads or before
+    torch.set_num_threads(threads)
+    try:
+        yield config if config.threads == threads else config.model_copy(update={"threads": threads})
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_round: OnRound | None = None,
@@ -273,7 +289,7 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
     the global model stops being finite (the last good checkpoint stays), and RunStopped after
     saving a checkpoint when SIGINT/SIGTERM arrives.
     """
-    with rundir.claim(Path(config.out), resume=resume):
+    with rundir.claim(Path(config.out), resume=resume), run_threads(config) as config:
         try:
             prep, state = start(config, resume)
             bind = getattr(runner, "bind", None)
@@ -301,8 +317,9 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
     evaluated = [r for r in state.metrics if "accuracy" in r]
     final = evaluated[-1]
     best = max(evaluated, key=lambda r: r["accuracy"])  # the earliest round on ties
+    expected = ("client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
     keep = ("accuracy", "balanced_accuracy", "loss", "many_accuracy", "medium_accuracy", "few_accuracy",
-            "client_mean_accuracy", "client_min_accuracy", "client_std_accuracy")
+            *expected, *(NEW + k for k in expected))
     skipped = sum(1 for r in state.metrics if "skipped" in r)
     summary = {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": config.model, "rounds": state.round,
@@ -345,6 +362,7 @@ def per_client_summaries(evaluated: list[dict[str, Any]], config: RunConfig) -> 
     (each field's highest value over the evaluated rounds, with its round), as ``per_client``:
     ``{mode: {"final": {key: value}, "best": {key: {"value": v, "round": r}}}}``."""
     modes = [m["name"] for m in config.client_eval_modes()]
+    modes += [NEW + m for m in modes] if config.new_clients else []  # the clients that never train, apart
     if not modes:
         return {}
     out: dict[str, Any] = {}

@@ -25,6 +25,7 @@ import fedlt.algorithms
 import fedlt.augment
 import fedlt.client_tests
 import fedlt.datasets
+import fedlt.models
 import fedlt.partitioners
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
@@ -53,9 +54,11 @@ def make_partition(config: RunConfig, data: InMemoryDataset):
     else:
         spec = dict(config.partition)
         partitioner = fedlt.partitioners.create(spec.pop("name"), **spec)
-        partition = fedlt.partitioners.partition_data(partitioner, data, config.clients, config.seeds.data)
-    if len(partition.client_indices) != config.clients:
-        raise FedltError(f"the partition has {len(partition.client_indices)} clients but clients={config.clients}")
+        partition = fedlt.partitioners.partition_data(partitioner, data, config.partition_clients, config.seeds.data)
+    if len(partition.client_indices) != config.partition_clients:
+        wanted = (f"clients={config.clients}" if not config.new_clients else
+                  f"clients + new_clients = {config.clients} + {config.new_clients}")
+        raise FedltError(f"the partition has {len(partition.client_indices)} clients but {wanted}")
     return partition
 
 
@@ -94,7 +97,7 @@ class Prepared:
     config: RunConfig
     data: InMemoryDataset
     partition: Any
-    counts: torch.Tensor  # K×C int64
+    counts: torch.Tensor  # (K + new clients)×C int64: every client of the partition, the K training ones first
     groups: dict[str, np.ndarray]
     algorithm: Any
     ctx: RunContext
@@ -106,11 +109,23 @@ class Prepared:
         held = self.client_tests
         return self.partition.client_indices if held is None or held.train_indices is None else held.train_indices
 
+    @property
+    def new_clients(self) -> list[int]:
+        """The clients that never train (``new_clients``): the partition's last ones."""
+        return list(range(self.config.clients, self.config.partition_clients))
+
+    @property
+    def training_counts(self) -> torch.Tensor:
+        """K×C: the class counts of the clients that train (the new clients' data is never trained on)."""
+        return self.counts[:self.config.clients]
+
     def manifest(self) -> dict[str, Any]:
         """The partition manifest the run records: the partition's, with its client test sets
-        (each client's test part and, for ``holdout``, the training part it keeps)."""
+        (each client's test part and, for ``holdout``, the training part it keeps) and the new
+        clients' ids."""
         extra = {} if self.client_tests is None else {"client_test": self.client_tests.manifest}
-        return self.partition.manifest | extra
+        new = {"new_clients": self.new_clients} if self.new_clients else {}
+        return self.partition.manifest | extra | new
 
 
 def make_client_tests(config: RunConfig, data: InMemoryDataset, partition: Any) -> Any:
@@ -158,14 +173,17 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     if counts.shape[1] != data.num_classes:
         raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
     model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
-    ctx = run_context(config, model_spec, input_shape, counts, augment)
+    training = counts[:config.clients]  # what the federation trains on: the new clients' parts aside
+    ctx = run_context(config, model_spec, input_shape, training, augment)
+    fedlt.models.check_fits(config.model, in_chans=input_shape[0], num_classes=data.num_classes,
+                            image_size=input_shape[-1])  # one sample's shape through the model, on meta
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)
     algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
-    return Prepared(config, data, partition, counts, group_classes(counts.sum(0).numpy(), config), algorithm, ctx,
+    return Prepared(config, data, partition, counts, group_classes(training.sum(0).numpy(), config), algorithm, ctx,
                     client_tests)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from fedlt import io, rundir
 from fedlt.algorithms.protocol import ClientStates
-from fedlt.config import RunConfig
+from fedlt.config import RunConfig, upgrade_config, with_defaults
 from fedlt.errors import FedltError, first_line
 
 CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
@@ -24,7 +24,7 @@ CHECKPOINT_FORMAT = io.CHECKPOINT_FORMAT
 # what does not change a single number (device placement aside, which users may move on purpose).
 # The engine too: local and Flower runs give the same model (to float rounding across processes).
 RESUMABLE_CHANGES = {"out", "rounds", "checkpoint_every", "client_state_memory_mb", "data_root", "download", "device", "fused", "eval_batch",
-                     "engine", "workers", "loader_workers", "faults.min_results", "faults.on_failure",
+                     "engine", "workers", "loader_workers", "threads", "faults.min_results", "faults.on_failure",
                      "faults.on_short"}
 # (how many clients a round needs and what a failure or a short round does decide whether the run
 # goes on, not what a completed round computed: a run stopped below min_results may resume with a
@@ -43,9 +43,20 @@ class RunState:
     stop_signal: int | None = field(default=None, repr=False)
 
 
-def config_digest(config: RunConfig) -> str:
-    """What must match for a resume: every setting that can change a number in the results."""
+def _known_to(settings: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with only the keys ``recorded`` (a run's config.json) has, tables of settings
+    recursively: the settings a run written before later fields existed was digested over."""
+    return {k: _known_to(v, recorded[k]) if isinstance(v, dict) and isinstance(recorded[k], dict) else v
+            for k, v in settings.items() if k in recorded}
+
+
+def config_digest(config: RunConfig, recorded: dict[str, Any] | None = None) -> str:
+    """What must match for a resume: every setting that can change a number in the results.
+    ``recorded``: the run's config.json as written, when it may predate some of this fedlt's
+    fields (those are then left out: ``check_resumable`` has checked they are at their defaults)."""
     relevant = config.model_dump(mode="json")
+    if recorded is not None:
+        relevant = _known_to(relevant, recorded)
     for name in RESUMABLE_CHANGES:
         *parents, leaf = name.split(".")
         node = relevant
@@ -69,19 +80,24 @@ def _resumable(name: str) -> bool:
 
 
 def config_changes(saved: dict[str, Any], config: RunConfig) -> list[str]:
-    """Settings (dotted names) whose value differs from ``saved`` (a config.json), ignoring the
-    ones a resume may change."""
-    return [name for name in _differences(saved, config.model_dump(mode="json"), "") if not _resumable(name)]
+    """Settings (dotted names) whose value differs from ``saved`` (a config.json's settings; a
+    field it lacks, written before the field existed, counts at its declared default), ignoring
+    the ones a resume may change."""
+    return [name for name in _differences(with_defaults(saved), config.model_dump(mode="json"), "")
+            if not _resumable(name)]
 
 
-def check_resumable(out: Path, config: RunConfig) -> None:
-    """``out`` holds a run that ``config`` may continue (raises FedltError naming what differs)."""
+def check_resumable(out: Path, config: RunConfig) -> dict[str, Any]:
+    """``out`` holds a run that ``config`` may continue (raises FedltError naming what differs);
+    returns its config.json's settings as written (brought to this fedlt's format version)."""
     if not (out / "config.json").is_file() or not (out / "partition.npz").is_file():
         raise FedltError(f"cannot resume {out}: it holds no run (config.json and partition.npz are missing)")
-    changed = config_changes(io.read_json(out / "config.json", "run configuration", dict), config)
+    saved = upgrade_config(io.read_json(out / "config.json", "run configuration", dict), out / "config.json")
+    changed = config_changes(saved, config)
     if changed:
         raise FedltError(f"cannot resume {out} with changed settings: {', '.join(changed)} "
                          f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
+    return saved
 
 
 def store(out: Path, config: RunConfig) -> ClientStates:
@@ -90,14 +106,16 @@ def store(out: Path, config: RunConfig) -> ClientStates:
     return ClientStates(Path(out) / rundir.STATE_DIR, config.client_state_memory_mb)
 
 
-def restore(prep: Any, saved: dict, path: Path, config: RunConfig, data_fingerprint: str) -> RunState:
-    """The run's state from a checkpoint, its algorithm's state loaded into ``prep.algorithm``."""
+def restore(prep: Any, saved: dict, path: Path, config: RunConfig, data_fingerprint: str,
+            recorded: dict[str, Any] | None = None) -> RunState:
+    """The run's state from a checkpoint, its algorithm's state loaded into ``prep.algorithm``;
+    ``recorded``: the run's config.json settings (``check_resumable``), for its digest."""
     kept = saved.get("data_fingerprint", data_fingerprint)  # checkpoints written before it have none
     if kept != data_fingerprint:
         raise FedltError(f"{path} was trained on other data: the inputs of {config.dataset} differ from those the run "
                          f"began with (fingerprint {str(kept)[:12]}…, now {data_fingerprint[:12]}…); "
                          "resume with the same data or start a new run")
-    if saved["config_digest"] != config_digest(config):
+    if saved["config_digest"] != config_digest(config, recorded):
         raise FedltError(f"{path} was written by a different configuration; resume it with the settings in its "
                          "config.json")
     if saved["partition_sha256"] != prep.partition.sha256:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fedlt.models
-from fedlt.errors import FedltError
+from fedlt import bounds
 from fedlt.registry import Registry
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
@@ -77,6 +77,9 @@ class ServerStep(Protocol):
     # optional, False when absent: apply's classifier replaces the model's (training goes on with it)
     # instead of only the evaluated model's
     moves_model: bool
+    # optional, empty when absent: what the step needs of the classifier it reads and writes
+    # (fedlt.models.heads.CAPABILITIES), checked against the run's classifier before the run
+    requires: frozenset[str]
 
     def setup(self, head: nn.Module, generator: torch.Generator | None = None) -> None: ...
     def due(self, round_index: int, rounds: int) -> bool: ...
@@ -140,16 +143,19 @@ def retrain_classifier(init: Head, x: torch.Tensor, y: torch.Tensor, *, epochs: 
     return {"weight": w.detach(), "bias": b.detach()}
 
 
-def _positive_int(step: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FedltError(f"{step}: {name} must be an integer >= 1, got {value!r}")
-    return value
+def _positive_int(step: str, name: str, value: Any, high: int = bounds.MAX_STEPS) -> int:
+    """An integer in [1, ``high``]: epochs and steps bounded by MAX_STEPS, samples by MAX_SAMPLES."""
+    return bounds.integer(step, name, value, 1, high)
 
 
 def _positive(step: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise FedltError(f"{step}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return bounds.finite(step, name, value, low=0, low_open=True)
+
+
+def requires(step: Any) -> frozenset[str]:
+    """What ``step`` (a registered step's class or an instance) needs of the classifier it reads,
+    from fedlt.models.heads.CAPABILITIES (``requires``; nothing when it declares nothing)."""
+    return frozenset(getattr(step, "requires", ()))
 
 
 from fedlt.server_steps import ccvr, creff, fednh, fednpc  # noqa: E402,F401  (register the built-in steps)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedlt import bounds
 from fedlt.datasets.source import to_device
 from fedlt.server_steps import (Batches, Head, _positive, _positive_int, features, head_state, register,
                                 retrain_classifier)
@@ -61,10 +62,13 @@ def pooled_class_stats(uploads: Sequence[dict[str, torch.Tensor]]) -> tuple[torc
 
 def sample_virtual(mean: torch.Tensor, cov: torch.Tensor, n: int,
                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` draws of N(mean, cov) in float64: mean + z·(V·√λ)ᵀ with cov = V diag(λ) Vᵀ (λ < 0 from
-    rounding set to 0), so a singular covariance (fewer samples than dimensions) is fine."""
+    """``n`` draws of N(mean, cov) in float64: mean + z·(V·√λ)ᵀ with cov = V diag(λ) Vᵀ, so a
+    singular covariance (fewer samples than dimensions) is fine. Eigenvalues under numpy's rank
+    tolerance (λ_max · d · eps) are rounding, not variance, and are set to 0: their square roots
+    (~1e-8, of either sign depending on the LAPACK build) would push the draws off the subspace."""
     lam, vec = torch.linalg.eigh(cov.double())
-    root = vec * lam.clamp(min=0).sqrt()
+    tolerance = lam.abs().max() * len(lam) * torch.finfo(torch.float64).eps
+    root = vec * torch.where(lam > tolerance, lam, torch.zeros_like(lam)).sqrt()
     z = torch.randn(n, len(mean), generator=generator, dtype=torch.float64)
     return mean.double() + z @ root.T
 
@@ -85,17 +89,20 @@ class CCVRStep:
     """
 
     fresh = True
+    requires = frozenset({"linear"})  # re-trains h·Wᵀ + b on the classifier's input features
 
     def __init__(self, *, samples_per_class: int = 200, epochs: int = 1, batch_size: int = 32, lr: float = 0.01,
                  every: int = 1) -> None:
-        self.samples_per_class = _positive_int("ccvr", "samples_per_class", samples_per_class)
+        self.samples_per_class = _positive_int("ccvr", "samples_per_class", samples_per_class, bounds.MAX_SAMPLES)
         self.epochs = _positive_int("ccvr", "epochs", epochs)
-        self.batch_size = _positive_int("ccvr", "batch_size", batch_size)
+        self.batch_size = _positive_int("ccvr", "batch_size", batch_size, bounds.MAX_SAMPLES)
         self.lr = _positive("ccvr", "lr", lr)
-        self.every = _positive_int("ccvr", "every", every)
+        self.every = _positive_int("ccvr", "every", every, bounds.MAX_ROUNDS)
 
     def setup(self, head: nn.Linear, generator: torch.Generator | None = None) -> None:
-        pass
+        classes, d = head.weight.shape  # the virtual features of every class, float64, at once
+        bounds.tensor_bytes("ccvr", (classes * self.samples_per_class, d), 8,
+                            f"samples_per_class={self.samples_per_class} × {classes} classes on {d} features")
 
     def due(self, round_index: int, rounds: int) -> bool:
         return (round_index + 1) % self.every == 0 or round_index == rounds - 1

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlt import bounds
 from fedlt.datasets.source import to_device
 from fedlt.server_steps import (Batches, Head, _positive, _positive_int, features, register,
                                 retrain_classifier)
@@ -100,23 +101,26 @@ class CReFFStep:
     """
 
     fresh = False
+    requires = frozenset({"linear"})  # matches and re-trains h·Wᵀ + b on the classifier's input features
 
     def __init__(self, *, features_per_class: int = 100, match_epochs: int = 100, retrain_epochs: int = 300,
                  batch_real: int = 32, repeats: int = 10, lr_feature: float = 0.1, lr_net: float = 0.01,
                  batch_size: int = 32) -> None:
-        self.per_class = _positive_int("creff", "features_per_class", features_per_class)
+        self.per_class = _positive_int("creff", "features_per_class", features_per_class, bounds.MAX_SAMPLES)
         self.match_epochs = _positive_int("creff", "match_epochs", match_epochs)
         self.retrain_epochs = _positive_int("creff", "retrain_epochs", retrain_epochs)
-        self.batch_real = _positive_int("creff", "batch_real", batch_real)
+        self.batch_real = _positive_int("creff", "batch_real", batch_real, bounds.MAX_SAMPLES)
         self.repeats = _positive_int("creff", "repeats", repeats)
         self.lr_feature = _positive("creff", "lr_feature", lr_feature)
         self.lr_net = _positive("creff", "lr_net", lr_net)
-        self.batch_size = _positive_int("creff", "batch_size", batch_size)
+        self.batch_size = _positive_int("creff", "batch_size", batch_size, bounds.MAX_SAMPLES)
         self.features: torch.Tensor | None = None  # (C·M)×d, the federated features
         self.head: Head | None = None  # the classifier re-trained last (a random one before the first round)
 
     def setup(self, head: nn.Linear, generator: torch.Generator | None = None) -> None:
         classes, d = head.weight.shape
+        bounds.tensor_bytes("creff", (classes * self.per_class, d), 8,
+                            f"features_per_class={self.per_class} × {classes} classes on {d} features (float64)")
         self.features = torch.randn(classes * self.per_class, d, generator=generator)
         self.head = linear_init(classes, d, generator)
 

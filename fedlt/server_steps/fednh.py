@@ -60,6 +60,7 @@ class FedNHStep:
     fresh = False
     after_training = True  # the prototypes of the locally trained model (the authors' client)
     moves_model = True  # the infused prototypes are the model's, trained with next round
+    requires = frozenset({"prototypes"})  # infuses class prototypes, not a linear layer's rows
 
     def __init__(self, *, rho: float = 0.9) -> None:
         if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlt import bounds
 from fedlt.errors import FedltError
 from fedlt.server_steps import Batches, Head, _positive, _positive_int, head_state, register
 
@@ -60,21 +61,22 @@ class FedNPCStep:
     """
 
     fresh = False
+    requires = frozenset({"linear"})  # re-trains h·Wᵀ + b (its weight and bias)
 
     def __init__(self, *, steps: int = 27, size: int = 10_000, lr: float = 0.1, momentum: float = 0.9,
                  every: int = 0) -> None:
         self.steps = _positive_int("fednpc", "steps", steps)
-        self.size = _positive_int("fednpc", "size", size)
+        self.size = _positive_int("fednpc", "size", size, bounds.MAX_SAMPLES)
         self.lr = _positive("fednpc", "lr", lr)
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise FedltError(f"fednpc: momentum must be a number in [0, 1), got {momentum!r}")
         self.momentum = float(momentum)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise FedltError(f"fednpc: every must be an integer >= 0, got {every!r}")
-        self.every = every
+        self.every = bounds.integer("fednpc", "every", every, 0, bounds.MAX_ROUNDS)
 
     def setup(self, head: nn.Module, generator: torch.Generator | None = None) -> None:
-        pass
+        # checked before the run, not after its last round: one step's noise batch
+        d = head.weight.shape[1]
+        bounds.tensor_bytes("fednpc", (self.size, d), head.weight.element_size(), f"size={self.size} on {d} features")
 
     def due(self, round_index: int, rounds: int) -> bool:
         return round_index == rounds - 1 or bool(self.every and (round_index + 1) % self.every == 0)

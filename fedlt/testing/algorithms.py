@@ -18,6 +18,12 @@ TINY = dict(dataset="mnist", train_limit=600, test_limit=100, clients=6, partici
             server_batch=12, eval_every=1, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 
 
+def probe(settings: dict[str, Any], out: Any) -> RunConfig:
+    """``settings`` as a RunConfig to probe (``split_model_for``) before a contract adds its
+    per-client evaluation: new clients, which need one, aside."""
+    return RunConfig(**{**settings, "new_clients": 0}, out=out)
+
+
 def split_model_for(config: Any) -> str:
     """``mlp``, or ``alexnet`` when the algorithm of ``config`` (an ``mlp`` run) needs a model
     with named cut points (a split algorithm)."""

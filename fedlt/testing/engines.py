@@ -30,7 +30,7 @@ from fedlt import io
 from fedlt.config import RunConfig
 from fedlt.engine import run, sample_clients
 from fedlt.flower.simulation import Job, simulate
-from fedlt.testing.algorithms import TINY, split_model_for
+from fedlt.testing.algorithms import TINY, probe, split_model_for
 from fedlt.testing.base import Contract, cut_after, differences, metric_rows, run_differences
 
 __all__ = ["EngineCheck", "check_engines", "differences", "drop_pattern"]  # differences: also imported from here by older code
@@ -51,7 +51,7 @@ def with_personal(base: dict[str, Any]) -> dict[str, Any]:
     if out["model"] == "alexnet" and out["client_eval"] == PERSONAL["client_eval"]:
         out["client_eval"] = NO_FINETUNE
     return out
-PERSONAL_PREFIXES = ("global_local_", "personal_", "finetune_")
+PERSONAL_PREFIXES = ("global_local_", "personal_", "finetune_", "new_clients_")  # new_clients: never trained
 
 
 def per_client_fields(run_dir: Any) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class EngineCheck:
         for k, (name, params, own) in enumerate(self.cases):
             fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
             base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=2)
-            base.setdefault("model", split_model_for(RunConfig(**base, out=root / "probe")))
+            base.setdefault("model", split_model_for(probe(base, root / "probe")))
             base = with_personal(base)
             if drops:
                 base.update(drop_pattern(RunConfig(**base, out=root / "probe")))

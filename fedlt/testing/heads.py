@@ -16,6 +16,27 @@ from fedlt.testing.base import Contract, registered
 D, C, B = 12, 5, 7  # representation size, classes and batch of every case
 
 
+def _check_declarations(c: Contract, provides: frozenset[str], head: Any, h: torch.Tensor,
+                        logits: torch.Tensor) -> None:
+    """[declares]: each capability the head's factory declares (fedlt.models.heads.CAPABILITIES) is true of it."""
+    unknown = sorted(provides - set(heads.CAPABILITIES))
+    c.check(not unknown, "declares", f"unknown capabilities {unknown} (known: {', '.join(heads.CAPABILITIES)})")
+    if "in_features" in provides:
+        c.check(getattr(head, "in_features", None) == D, "declares", f"in_features is not the input width {D}")
+    if "linear" in provides:
+        w, b = getattr(head, "weight", None), getattr(head, "bias", None)
+        fits = isinstance(b, torch.Tensor) and tuple(w.shape) == (C, D) and tuple(b.shape) == (C,)
+        c.check(fits and torch.allclose(logits, h @ w.t() + b, atol=1e-5), "declares",
+                "'linear': the logits are not h·weightᵀ + bias with weight C×d and bias C")
+    if "prototypes" in provides:
+        c.check(any(t is head.weight for t in head.buffers()) and tuple(head.weight.shape) == (C, D), "declares",
+                "'prototypes': weight is not a C×d buffer")
+    if "etf" in provides:
+        c.check(isinstance(getattr(head, "linear_proto", None), torch.nn.Linear)
+                and isinstance(getattr(head, "proto", None), torch.Tensor), "declares",
+                "'etf': no linear_proto projection and proto ETF")
+
+
 def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
     """Check a classifier head, given by registered name or as its factory, built for a
     d = 12 → C = 5 classifier with ``params``.
@@ -25,7 +46,8 @@ def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
     buffers); [fixed part stays fixed] (an SGD step on CE moves no buffer; every parameter and
     the representation get a finite gradient); [attaches] (on fedlt's ``mlp`` the model's logits come
     from the head and ``get_classifier()`` returns it); [state round trip] (a fresh head loaded
-    with a trained one's ``state_dict`` gives the same logits).
+    with a trained one's ``state_dict`` gives the same logits); [declares] (what its factory's
+    ``provides`` declares is true of it: ``in_features``, ``linear`` logits = h·Wᵀ + b, ...).
     """
     params = dict(params or {})
     with registered(heads.REGISTRY, head, "contract_head") as name:
@@ -47,6 +69,7 @@ def check_head(head: Any, params: dict[str, Any] | None = None) -> None:
         c.check(isinstance(logits, torch.Tensor) and tuple(logits.shape) == (B, C), "logits",
                 f"a batch of {B} gave {tuple(getattr(logits, 'shape', ()))}, expected ({B}, {C})")
         c.check(bool(torch.isfinite(logits).all()), "logits", "non-finite logits")
+        _check_declarations(c, heads.provided(name), first, h, logits)
         c.check(isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == C, "logits",
                 f"weight has shape {tuple(getattr(weight, 'shape', ()))}, expected ({C}, d')")
         before = {k: v.clone() for k, v in first.named_buffers()}

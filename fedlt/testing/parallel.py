@@ -27,7 +27,7 @@ from fedlt.algorithms.protocol import LocalRunner
 from fedlt.config import RunConfig
 from fedlt.engine import run
 from fedlt.parallel import ParallelRunner, WorkerPool
-from fedlt.testing.algorithms import TINY, split_model_for
+from fedlt.testing.algorithms import TINY, probe, split_model_for
 from fedlt.testing.base import Contract
 from fedlt.testing.engines import _label, differences, with_personal
 
@@ -64,7 +64,7 @@ def check_parallel(cases: Sequence[Any], *, workers: int = 2, pool: Any = None, 
             for k, (name, params, own) in enumerate(normalised):
                 fedlt.algorithms.get(name)  # an unknown name is a clear UnknownNameError
                 base = dict(TINY, **{**settings, **own}, algorithm=name, algorithm_params=params, rounds=rounds)
-                base.setdefault("model", split_model_for(RunConfig(**base, out=Path(tmp) / "probe")))
+                base.setdefault("model", split_model_for(probe(base, Path(tmp) / "probe")))
                 base = with_personal(base)  # the per-client evaluation (issue 32), in the workers too
                 one = RunConfig(**base, out=Path(tmp) / f"{k}-one")
                 many = RunConfig(**base, workers=pool.size, out=Path(tmp) / f"{k}-many")

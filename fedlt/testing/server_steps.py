@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import fedlt.models.heads
 import fedlt.server_steps
 from fedlt import wire
 from fedlt.testing.base import Contract, registered
@@ -61,7 +62,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def check_server_step(step: Any, params: dict[str, Any] | None = None) -> None:
     """Check a server step, given by registered name or as its class (created with ``params``).
 
-    Properties: [interface] (``fresh`` is a bool, ``due`` is true on the last round); [uploads
+    Properties: [interface] (``fresh`` is a bool, ``due`` is true on the last round, ``requires``
+    names capabilities of fedlt.models.heads.CAPABILITIES); [uploads
     travel] (a client's ``collect`` crosses fedlt's wire format unchanged and does not change the
     model); [classifier shape] (``apply`` gives ``weight`` and ``bias`` of the classifier's shapes
     and dtype, finite); [order independent] (reversing the uploads changes nothing beyond float
@@ -86,6 +88,9 @@ def check_server_step(step: Any, params: dict[str, Any] | None = None) -> None:
         first = make()
         c.check(isinstance(first.fresh, bool), "interface", f"fresh is {first.fresh!r}, not a bool")
         c.check(bool(first.due(4, 5)), "interface", "due(round, rounds) is false on the last round")
+        needs = getattr(first, "requires", frozenset())
+        c.check(isinstance(needs, (set, frozenset)) and needs <= set(fedlt.models.heads.CAPABILITIES), "interface",
+                f"requires is {needs!r}, not a set of {', '.join(fedlt.models.heads.CAPABILITIES)}")
         model = _Tiny()
         before = copy.deepcopy(model.state_dict())
         with c.property("uploads travel"):
