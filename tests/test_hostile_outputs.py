@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -186,3 +187,4 @@ def test_hostile_outputs_the_device_checks_dry_run_leaves_the_source_tree_alone(
     written = Path(capsys.readouterr().out.splitlines()[-1].split()[1])
     assert written.is_file() and ROOT not in written.resolve().parents
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+    shutil.rmtree(written.parent)  # the dry run's own temporary folder
