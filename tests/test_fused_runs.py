@@ -52,6 +52,7 @@ def test_cli_fused_flag_reaches_the_config(tmp_path, capsys, one_thread):
     except SystemExit as done:
         assert done.code in (0, None)
     assert json.loads((tmp_path / "r" / "config.json").read_text())["fused"] == "off"
+    capsys.readouterr()  # the first run's own lines (its note on the authors' settings)
     with pytest.raises(SystemExit) as bad:
         main(["run", "--fused", "maybe", "--out", str(tmp_path / "b"), "--quiet"])
     err = capsys.readouterr().err.strip()

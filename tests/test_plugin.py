@@ -24,7 +24,8 @@ from fedlt.cli import app, main
 from fedlt.components import registries
 
 COMPONENTS = [("losses", "poly1"), ("partitioners", "zipf"), ("models", "tiny_cnn"), ("algorithms", "example_fedcm"),
-              ("algorithms", "example_feddc"), ("aggregators", "lookahead"), ("split_servers", "grouped")]
+              ("algorithms", "example_feddc"), ("aggregators", "lookahead"), ("split_servers", "grouped"),
+              ("transforms", "randk")]
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")

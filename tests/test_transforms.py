@@ -110,7 +110,7 @@ def test_chains_compose_with_plus_and_parse_from_a_spec():
     chain = T.create("clip", norm=1.0) + T.create("topk", fraction=0.5)
     assert [type(t).name for t in chain.links] == ["clip", "topk"]
     assert T.parse_chain("clip(norm=1.0) + topk(fraction=0.01, error_feedback=true)") == [
-        {"name": "clip", "norm": 1.0}, {"name": "topk", "fraction": 0.01, "error_feedback": "true"}]
+        {"name": "clip", "norm": 1.0}, {"name": "topk", "fraction": 0.01, "error_feedback": True}]
     assert T.parse_chain("none") == []
 
 
