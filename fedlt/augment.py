@@ -290,15 +290,21 @@ def split_plus(text: str) -> list[str]:
     return [*items, text[start:]]
 
 
-def parse_augment(text: str, what: str = "--augment") -> list[dict[str, Any]]:
-    """``"random_crop(padding=4) + hflip"`` -> ``[{"name": "random_crop", "padding": 4}, {"name": "hflip"}]``;
-    ``""`` or ``"none"`` -> ``[]``."""
+def parse_plus(text: str, what: str, example: str) -> list[dict[str, Any]]:
+    """A chain of specs joined by ``+`` (augmentations, update transforms) -> one spec dict each;
+    ``""`` or ``"none"`` -> ``[]``. ``example`` is shown when an item around a ``+`` is empty."""
     if not text.strip() or text.strip().lower() in ("none", "null"):
         return []
     items = split_plus(text)
     if any(not item.strip() for item in items):
-        raise FedltError(f"{what} {text!r}: an empty item around '+'; e.g. 'random_crop(padding=4) + hflip'")
+        raise FedltError(f"{what} {text!r}: an empty item around '+'; e.g. {example!r}")
     return [parse_spec(item, what) for item in items]
+
+
+def parse_augment(text: str, what: str = "--augment") -> list[dict[str, Any]]:
+    """``"random_crop(padding=4) + hflip"`` -> ``[{"name": "random_crop", "padding": 4}, {"name": "hflip"}]``;
+    ``""`` or ``"none"`` -> ``[]``."""
+    return parse_plus(text, what, "random_crop(padding=4) + hflip")
 
 
 def format_augment(specs: list[dict[str, Any]]) -> str:

@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from fedlt.augment import split_plus
+from fedlt.augment import parse_plus
 from fedlt.errors import FedltError
 from fedlt.registry import Registry
-from fedlt.spec import SpecModel, format_spec, parse_spec
+from fedlt.spec import SpecModel, format_spec
 
 State = dict[str, torch.Tensor]
 
@@ -104,12 +104,7 @@ class Chain:
 def parse_chain(text: str, what: str = "--upload") -> list[dict[str, Any]]:
     """``"clip(norm=1) + topk(fraction=0.01)"`` -> ``[{"name": "clip", "norm": 1}, {...}]``;
     ``""`` / ``"none"`` -> ``[]``."""
-    if not text.strip() or text.strip().lower() in ("none", "null"):
-        return []
-    items = split_plus(text)
-    if any(not item.strip() for item in items):
-        raise FedltError(f"{what} {text!r}: an empty item around '+'; e.g. 'clip(norm=1.0) + topk(fraction=0.01)'")
-    return [parse_spec(item, what) for item in items]
+    return parse_plus(text, what, "clip(norm=1.0) + topk(fraction=0.01)")
 
 
 def build(specs: Sequence[dict[str, Any]]) -> Chain:
