@@ -34,11 +34,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
 import fedgrab  # noqa: E402
+import fedvls  # noqa: E402
 import personalised  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, relative_difference,  # noqa: E402
                         replay_config, write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, **personalised.ADAPTERS}
+ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
