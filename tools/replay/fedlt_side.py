@@ -178,11 +178,14 @@ SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
     uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
-    out = {"weights": result.weights}
+    out = {"weights": result.weights} if result.weights else {}  # FedProto uploads no weights
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
-    if method == "ditto":
+    if method in ("ditto", "fedproto"):
         out["personal"] = result.state["personal"]
+    if method == "fedproto":  # the classes it holds: their prototypes are a dict over those
+        held = result.extras["present"].bool()
+        out["prototypes"] = {str(c): result.extras["prototypes"][c] for c in held.nonzero().flatten().tolist()}
     return out
 
 
