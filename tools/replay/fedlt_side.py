@@ -160,6 +160,9 @@ class EpochLoader:
     def __iter__(self):
         return iter(self.epochs.pop(0))
 
+    def __len__(self) -> int:  # a DataLoader's: its batches per epoch
+        return len(self.epochs[0]) if self.epochs else 0
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
