@@ -29,6 +29,7 @@ with ``unlabeled_per_class``, a second held-out slice whose labels the server ne
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from torch.func import functional_call
 
 import fedlt.augment
 from fedlt.algorithms import register
@@ -74,15 +74,27 @@ class CalibratedEnsemble(nn.Module):
         return gate * calibrated + (1 - gate) * fallback
 
 
+def client_models(work: nn.Module, clients: Sequence[State]) -> list[nn.Module]:
+    """A module per client model of the round, in eval mode, holding that client's uploaded
+    tensors themselves (``assign``: nothing copied); built once a round, so a server step runs
+    K forwards and loads nothing (their ``model1.load_state_dict`` per client and batch)."""
+    models = []
+    for weights in clients:
+        model = copy.deepcopy(work)
+        model.load_state_dict(weights, assign=True)
+        models.append(model.eval())
+    return models
+
+
 @torch.no_grad()
-def client_views(work: nn.Module, clients: Sequence[State], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features K×B×d, logits K×B×C) of each client model on ``x``, run through ``work`` in eval
-    mode (their ``features_logits``: BatchNorm's running statistics, nothing updated)."""
+def client_views(models: Sequence[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features K×B×d, logits K×B×C) of each client model on ``x`` (their ``features_logits``:
+    eval mode, BatchNorm's running statistics, nothing updated)."""
     feats, logits = [], []
-    with eval_mode(work), classifier_inputs(classifier(work)) as seen:
-        for weights in clients:
-            logits.append(functional_call(work, weights, (x,)))
-            feats.append(seen.pop())
+    for model in models:
+        with classifier_inputs(classifier(model)) as seen:
+            logits.append(model(x))
+        feats.append(seen.pop())
     return torch.stack(feats), torch.stack(logits)
 
 
@@ -136,8 +148,8 @@ def finetune(model: nn.Module, optimiser: torch.optim.Optimizer, proxy: ClientDa
     return torch.stack(losses) if losses else torch.zeros(0)
 
 
-def train_calibration(calibration: CalibratedEnsemble, optimiser: torch.optim.Optimizer, work: nn.Module,
-                      clients: Sequence[State], fallback: nn.Module, proxy: ClientData,
+def train_calibration(calibration: CalibratedEnsemble, optimiser: torch.optim.Optimizer,
+                      clients: Sequence[nn.Module], fallback: nn.Module, proxy: ClientData,
                       batches: Iterable[torch.Tensor], augment: Any = None) -> torch.Tensor:
     """Adam steps of CE of the calibrated ensemble on the proxy batches (their ``highway_model``);
     the client models and the fallback (the fine-tuned model) fixed, in eval mode."""
@@ -145,7 +157,7 @@ def train_calibration(calibration: CalibratedEnsemble, optimiser: torch.optim.Op
     for idx in batches:
         x, y = proxy.take(idx.to(proxy.index_device))
         x = augment(x) if augment else x
-        feats, logits = client_views(work, clients, x)
+        feats, logits = client_views(clients, x)
         with torch.no_grad(), eval_mode(fallback):
             base = fallback(x)
         loss = F.cross_entropy(calibration(feats, logits, base), y)
@@ -156,8 +168,8 @@ def train_calibration(calibration: CalibratedEnsemble, optimiser: torch.optim.Op
     return torch.stack(losses) if losses else torch.zeros(0)
 
 
-def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: CalibratedEnsemble, work: nn.Module,
-            clients: Sequence[State], fallback: nn.Module, proxy: ClientData, unlabeled: ClientData,
+def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: CalibratedEnsemble,
+            clients: Sequence[nn.Module], fallback: nn.Module, proxy: ClientData, unlabeled: ClientData,
             batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, temperature: float, weight: float,
             augment: Any = None) -> torch.Tensor:
     """Adam steps of ``weight``·KL(teacher ‖ student) at temperature T on an unlabelled batch plus
@@ -170,7 +182,7 @@ def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: C
         u = augment(u) if augment else u
         x, y = proxy.take(l_idx.to(proxy.index_device))
         x = augment(x) if augment else x
-        feats, logits = client_views(work, clients, u)
+        feats, logits = client_views(clients, u)
         with torch.no_grad(), eval_mode(fallback):
             teacher = calibration(feats, logits, fallback(u))
         soft = F.kl_div(F.log_softmax(student(u) / temperature, 1), F.softmax(teacher / temperature, 1),
@@ -211,7 +223,7 @@ class FedicStrategy(Strategy):
         self.settings = settings
         head = classifier(model)
         self.finetuned = place_model(ctx.build_model(), ctx.device)
-        self.work = place_model(ctx.build_model(), ctx.device)  # runs each client's weights
+        self.work = place_model(ctx.build_model(), ctx.device)  # the template of the client models
         self.calibration = CalibratedEnsemble(head.weight.shape[0], head.weight.shape[1]).to(
             device=head.weight.device, dtype=head.weight.dtype)
         adam = dict(lr=settings.server_lr, weight_decay=settings.server_weight_decay)
@@ -256,10 +268,10 @@ class FedicStrategy(Strategy):
         s = self.settings
         self.finetuned.load_state_dict(self.model.state_dict())
         tuned = finetune(self.finetuned, self.optimisers["finetuned"], proxy, orders.finetune, augment)
-        calibrated = train_calibration(self.calibration, self.optimisers["calibration"], self.work, clients,
-                                       self.finetuned, proxy, orders.calibrate, augment)
-        distilled = distill(self.model, self.optimisers["student"], self.calibration, self.work, clients,
-                            self.finetuned, proxy, unlabeled, orders.distill, temperature=s.temperature,
+        models = client_models(self.work, clients)
+        calibrated = train_calibration(self.calibration, self.optimisers["calibration"], models, self.finetuned,
+                                       proxy, orders.calibrate, augment)
+        distilled = distill(self.model, self.optimisers["student"], self.calibration, models, self.finetuned, proxy, unlabeled, orders.distill, temperature=s.temperature,
                             weight=s.distill_weight, augment=augment)
         return torch.cat([t.to(tuned.device) for t in (tuned, calibrated, distilled)])
 
