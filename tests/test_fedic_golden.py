@@ -137,3 +137,66 @@ def test_the_optimisers_moments_carry_into_the_next_round(monkeypatch):
     ours = _rounds(monkeypatch, _strategy(), between=_fresh_optimisers)
     gaps = _gaps(ours, "global")
     assert gaps[0] < 1e-10 and gaps[1] > 1e-6
+
+
+# -- the server's data: training images held out before partitioning ---------------------------------
+def _dataset(n_per_class=(9, 6, 4)):
+    from fedlt.datasets.base import InMemoryDataset
+
+    y = torch.cat([torch.full((n,), c) for c, n in enumerate(n_per_class)])[torch.randperm(sum(n_per_class))]
+    x = torch.arange(len(y), dtype=torch.float32)[:, None, None, None].expand(-1, 1, 2, 2).clone()
+    return InMemoryDataset("toy", x, y, x[:3], y[:3], len(n_per_class), groups_train=torch.arange(len(y)))
+
+
+def test_hold_out_takes_per_class_images_out_before_partitioning():
+    from fedlt.run.parts import hold_out
+
+    data = _dataset()
+    reduced, server = hold_out(data, 2, seed=5)
+    assert torch.bincount(server.y, minlength=3).tolist() == [2, 2, 2]
+    assert len(reduced.y_train) == len(data.y_train) - 6
+    rows = set(server.rows.tolist())  # the images went to the server, the rest to the clients, each once
+    kept = set(reduced.groups_train.tolist())  # groups_train = original row (the toy set's)
+    assert rows.isdisjoint(kept) and rows | kept == set(range(len(data.y_train)))
+    assert torch.equal(server.x[:, 0, 0, 0], torch.as_tensor(server.rows, dtype=torch.float32))
+    assert torch.equal(data.y_train[torch.as_tensor(server.rows)], server.y)
+    again = hold_out(data, 2, seed=5)[1]
+    assert again.rows.tolist() == server.rows.tolist() and hold_out(data, 2, seed=6)[1].rows.tolist() != server.rows.tolist()
+    manifest = server.manifest()
+    assert manifest["per_class"] == 2 and manifest["indices"] == server.rows.tolist() and len(manifest["sha256"]) == 64
+
+
+def test_hold_out_refuses_to_take_every_image_of_a_class():
+    from fedlt.errors import FedltError
+    from fedlt.run.parts import hold_out
+
+    with pytest.raises(FedltError, match=r"fedic's proxy_per_class: holding 4 images of each class out .* all 4 "
+                                         r"training images of class 2"):
+        hold_out(_dataset(), 4, seed=0, what="fedic's proxy_per_class")
+
+
+def test_the_server_sets_split_the_held_out_images_by_class_rank():
+    """The first proxy_per_class rows of each class are the labelled proxy set, the rest unlabelled;
+    with none left, the proxy set's images are the unlabelled set."""
+    s = _strategy(proxy_per_class=2)
+    proxy, unlabeled = s.server_sets()
+    assert torch.bincount(proxy.y, minlength=C).tolist() == [2] * C
+    assert len(unlabeled) == len(GOLDEN["y_proxy"]) + len(GOLDEN["y_unlabeled"]) - 2 * C
+    s = _strategy(proxy_per_class=10)
+    proxy, unlabeled = s.server_sets()
+    assert unlabeled is proxy and len(proxy) == len(GOLDEN["y_proxy"]) + len(GOLDEN["y_unlabeled"])
+
+
+def test_a_proxy_set_larger_than_a_class_is_one_line_and_exit_2(tmp_path, capsys):
+    """On the command line: one error line naming the setting, exit 2, nothing written."""
+    from fedlt.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--algo", "fedic", "--model", "mlp", "--train-limit", "100", "--test-limit", "50", "--clients", "2",
+              "--partition", "iid", "--local-iters", "1", "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()  # the authors'-settings note, then the error
+    assert info.value.code == 2 and not any("Traceback" in line for line in err)
+    assert [line for line in err if not line.startswith("note:")] == [err[-1]]
+    assert "fedic's proxy_per_class + unlabeled_per_class: holding 100 images of each class" in err[-1]
+    assert not out.exists() or not any(out.iterdir())
