@@ -199,6 +199,18 @@ declare("creff", CREFF, {
     "drop_last": (False, "main.py:241"),
 })
 
+FEDIC = "github.com/shangxinyi/FEDIC@76a1d75e33f1b315b0ab99f1e603a206c37c5446"
+declare("fedic", FEDIC, {
+    "optimiser.lr": (0.1, "options.py:28"),
+    "optimiser.momentum": (0.0, "main.py:283"),  # SGD(params, lr) only
+    "optimiser.weight_decay": (0.0, "main.py:283"),
+    "optimiser.clip": (None, "main.py:299"),  # backward, then step: no clipping
+    "local_epochs": (10, "options.py:17"),
+    "batch_size": (128, "options.py:18"),
+    "drop_last": (False, "main.py:290"),
+}, note="the server's sizes (100 proxy images a class, 3 × 100 Adam steps at lr 0.001, T = 2, λ = 0.5) are "
+        "fedic's defaults already (docs/algorithms.md)")
+
 # The personalised methods as PFLlib runs them (its main.py defaults and clientbase's plain SGD
 # over loaders that drop the last partial batch); the method constants fedlt's defaults already
 # take from the methods' own authors (docs/algorithms.md) are left as they are.
