@@ -46,6 +46,7 @@ from authors_code import load as load_definitions
 from fedlt.algorithms.base import client_generator
 from fedlt.algorithms.stateful import features_of
 from fedlt.models import classifier
+from fedlt_side import cuda_as_cpu
 
 REPO = "github.com/shanss132/FedYoYo"
 COMMIT = "342686e95f616e0b9bec9478dd324b73941f0895"
@@ -137,8 +138,7 @@ class Authors:
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-        torch.Tensor.cuda = lambda self, *a, **k: self  # offline (this process is the harness's own)
-        nn.Module.cuda = lambda self, *a, **k: self
+        cuda_as_cpu()
         self.ns: dict[str, Any] = {"torch": CpuTorch(), "F": F, "EPS": 1e-6, "SGD": SGD,
                                    "CrossEntropyLoss": CrossEntropyLoss, "DataLoader": lambda dataset, **kw: dataset.next()}
         load_definitions(git_dir, COMMIT, "main_fedyoyo.py", ["Local", "Global"], self.ns)
