@@ -35,7 +35,7 @@ from torch import nn
 
 from authors_code import load as load_definitions
 from fedlt.models import classifier, heads
-from fedlt_side import EpochLoader, default_dtype
+from fedlt_side import EpochLoader, cuda_as_cpu, default_dtype
 
 REPO = "github.com/MediaBrain-SJTU/FedGELA"
 COMMIT = "b5b20d522c70672b9c374116797c20b0e3c7c806"
@@ -94,8 +94,7 @@ class Authors:
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-        torch.Tensor.cuda = lambda self, *a, **k: self  # offline (this process is the harness's own)
-        nn.Module.cuda = lambda self, *a, **k: self
+        cuda_as_cpu()
         dtype = next(initial.parameters()).dtype
         self.ns: dict[str, Any] = {"torch": torch, "nn": nn, "np": np, "optim": optim, "time": time,
                                    "logger": Logger(), "balanced_accuracy_score": lambda true, pred: 0.0,

@@ -164,6 +164,12 @@ class EpochLoader:
         return len(self.epochs[0]) if self.epochs else 0
 
 
+def cuda_as_cpu() -> None:
+    """The authors' ``.cuda()`` calls made no-ops in this process (the harness's own; offline)."""
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()

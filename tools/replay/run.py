@@ -36,10 +36,11 @@ import ditto  # noqa: E402
 import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
 import fedproto  # noqa: E402
+import fedyoyo  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedproto": fedproto, "fedgela": fedgela}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedproto": fedproto, "fedgela": fedgela, "fedyoyo": fedyoyo}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -85,6 +86,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
         theirs, worst = {}, {}
+        if hasattr(authors, "begin_round"):  # a server phase before training (FedYoYo's prior)
+            authors.begin_round(rec.participants, {c: (side.client(c).x, side.client(c).y) for c in rec.participants})
         for cid in rec.participants:
             client = side.client(cid)
             theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
