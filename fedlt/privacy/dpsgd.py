@@ -58,9 +58,11 @@ def noise_generator(sampling_seed: int, round_index: int, cid: int, device: torc
 def clipped_sum(grads: Sequence[torch.Tensor], clip: float) -> list[torch.Tensor]:
     """Σ_i g_i · min(1, C/‖g_i‖₂) for per-sample gradients stacked along dim 0 (the norm over every
     tensor together; a zero gradient stays zero)."""
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads]).sum(0).sqrt()
+    flat = [g.flatten(1) for g in grads]
+    norms = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]).pow(2).sum(0).sqrt()
     factor = (clip / norms).clamp(max=1.0)  # C/0 = inf → 1
-    return [torch.einsum("i,i...->...", factor.to(g.dtype), g) for g in grads]
+    # one (1×B)·(B×P) product a tensor: an einsum over the sample axis ran 10× slower on the CPU
+    return [(factor.to(f.dtype) @ f).view(g.shape[1:]) for f, g in zip(flat, grads)]
 
 
 def stateful_terms(objective: Any) -> list[str]:
