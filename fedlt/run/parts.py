@@ -31,6 +31,7 @@ import fedlt.partitioners
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
+from fedlt.algorithms.private import check_sample_level
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
@@ -110,6 +111,11 @@ class Prepared:
         """Each client's training samples: the partition's, less what a ``holdout`` carved out."""
         held = self.client_tests
         return self.partition.client_indices if held is None or held.train_indices is None else held.train_indices
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """|D_k| of every client that trains (sample-level DP's accountant)."""
+        return [len(i) for i in self.train_indices[:self.config.clients]]
 
     @property
     def new_clients(self) -> list[int]:
@@ -234,6 +240,7 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
+    check_sample_level(config, algorithm)  # DP-SGD needs a standard local step on a model without BatchNorm
     return Prepared(config, data, partition, counts, group_classes(training.sum(0).numpy(), config), algorithm, ctx,
                     client_tests, server)
 
@@ -337,7 +344,7 @@ def client_state_template(prep: Prepared, round_index: int) -> dict[str, Any]:
     states = ClientStates()
     # the upload plan keeps its transforms' state (an error-feedback residual) in the client's: the
     # run's own plan (its clip, noise and masks decide the chain's layout)
-    runner = UploadRunner(LocalRunner(), UploadSettings.of(config))
+    runner = UploadRunner(LocalRunner(), UploadSettings.of(config, prep.train_sizes))
     try:
         train_round(algorithm, prep.ctx, round_index, [client_data(prep, cid, torch.device(config.device))],
                     states, runner)
