@@ -37,10 +37,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 import fedlt.augment
-from fedlt.algorithms.base import (backward_precision, build_objective, client_generator, forward_precision,
+from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
-                                            trainable_names)
+                                            frozen, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -111,9 +111,8 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
                     "or a two-pass step that the batched forward does not carry)")
-    # work around the loop (CCVR's statistics), what is sent (FedDC's θ+h), a second model stepped
-    # after each step (APFL) or another minibatch stream (a fine-tune)
-    for hook in ("__call__", "upload", "stepped", "generator"):
+    # work around the loop (CCVR's statistics) or a second model stepped after each step (APFL)
+    for hook in ("__call__", "loop", "stepped"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
     for m in model.modules():
@@ -161,14 +160,16 @@ class _Seeded:
             self.client.rng = dict(self.after)
 
 
-def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[str]) -> _Client:
-    """A participant's round set up exactly as ``ClientUpdate.__call__`` does, in its own stream."""
-    with client_rng(task) as after:
+def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[str],
+          rng: dict[str, torch.Tensor] | None) -> _Client:
+    """A participant's round set up exactly as ``ClientUpdate.loop`` does, in its own stream
+    (continued from ``rng``, a previous phase's, when given)."""
+    with client_rng(task, rng) as after:
         model.load_state_dict(task.weights)
         model.train()
         objective = build_objective(task.objective, task.context, task.cid, task.data.class_counts,
                                     [task.weights[n] for n in names], task.state.get("loss"))
-        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        generator = update.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)
         local = update.begin(task, model, [task.weights[n].detach().clone() for n in names])
         stream = task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device))
@@ -177,12 +178,34 @@ def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[
 
 class Cohort:
     """N participants' round as one vmapped loop (see the module); ``run()`` returns their results
-    in the order of ``tasks``."""
+    in the order of ``tasks``. ``rng``: each client's random stream to continue (a later phase of
+    a round, :class:`fedlt.algorithms.fedavg_family.PhasedUpdate`); afterwards ``streams()``."""
 
-    def __init__(self, update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> None:
-        self.update, self.tasks, self.model = update, list(tasks), model
+    def __init__(self, update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                 rng: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
+        self.update, self.model = update, model
+        self.tasks = [update.start(t) for t in tasks]
+        self.rng = list(rng) if rng is not None else [None] * len(self.tasks)
+
+    def run(self) -> list[ClientResult]:
+        with frozen(self.model, self.update.frozen_keys(self.model)):
+            self._setup()
+            while True:
+                batches = self._draw()
+                if not batches:
+                    break
+                for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
+                    self._step([b for b in batches if tuple(b[1].shape) == shape])
+            return [self._finish(k, c) for k, c in enumerate(self.clients)]
+
+    def streams(self) -> list[dict[str, torch.Tensor]]:
+        """Each client's random stream where its round stopped (the next phase continues it)."""
+        return [c.rng for c in self.clients]
+
+    def _setup(self) -> None:
+        model = self.model
         self.names = trainable_names(model)
-        self.clients = [_open(update, t, model, self.names) for t in self.tasks]
+        self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
         trainable = set(self.names)
         # frozen parameters and buffers: the same for every step, stacked once
@@ -192,15 +215,6 @@ class Cohort:
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
-
-    def run(self) -> list[ClientResult]:
-        while True:
-            batches = self._draw()
-            if not batches:
-                break
-            for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
-                self._step([b for b in batches if tuple(b[1].shape) == shape])
-        return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""
@@ -307,14 +321,17 @@ class Cohort:
             self.weights[i].index_copy_(0, index, p.add(d_p, alpha=-s.lr))
 
     def _finish(self, k: int, c: _Client) -> ClientResult:
+        """The client's result as the loop's end gives it: its trained weights loaded into the
+        work module, so ``end`` and ``upload`` read the model they would read sequentially."""
         task = c.task
         train_loss = check_parts(c.parts, c.steps, task)
         params = [w[k] for w in self.weights]
+        trained = dict(zip(self.names, params))
+        self.model.load_state_dict({n: trained.get(n, t) for n, t in task.weights.items()})
         with _Seeded(c):
             own, extras = self.update.end(c.local, task, self.model, params, c.steps)
+            weights = self.update.upload(c.local, task, self.model, own)
         state = ({"loss": c.objective.state_dict()} if c.objective.state_dict() else {}) | own
-        trained = dict(zip(self.names, params))
-        weights = {n: (trained[n] if n in trained else t).detach().clone() for n, t in task.weights.items()}
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 

@@ -9,7 +9,8 @@ is ``Federated.train_round``, shared by every one-call-per-round algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ class ClientUpdate:
     extra term), so every variant shares this one loop.
 
     Calling it is ``client_update(task, model)``. The hooks, in the order the loop calls them:
-    ``begin`` (once: what this round's variant needs, returned as ``local``), per step
+    ``build`` (the work module when none is given), ``start`` (the task the loop trains: the
+    received one, or with the client's own part in place, as a personalised method keeps it),
+    ``frozen_keys`` (parameters kept out of training for the round), ``begin`` (once: what this round's variant needs, returned as ``local``), per step
     ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
     ``.backward()`` of their sum), ``correct`` (edits the gradients before clipping) and
     ``stepped`` (after the optimiser's step, same minibatch), then
@@ -55,8 +58,26 @@ class ClientUpdate:
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        if model is None:
-            model = place_model(task.context.model.build(), task.data.x.device)
+        model = self.build(task) if model is None else model
+        with frozen(model, self.frozen_keys(model)):
+            return self.loop(self.start(task), model)
+
+    def build(self, task: ClientTask) -> nn.Module:
+        """A work module of the round's architecture on the data's device."""
+        return place_model(task.context.model.build(), task.data.x.device)
+
+    def start(self, task: ClientTask) -> ClientTask:
+        """The task the loop trains: the received one (a personalised variant puts the client's
+        own part, from its state, in place of the received one)."""
+        return task
+
+    def frozen_keys(self, model: nn.Module) -> Sequence[str]:
+        """State-dict keys of the parameters kept out of training this round (none)."""
+        return ()
+
+    def loop(self, task: ClientTask, model: nn.Module) -> ClientResult:
+        """The local loop on ``model`` from ``task.weights`` (the parameters that train are those
+        with ``requires_grad``)."""
         model.load_state_dict(task.weights)
         layout = torch.channels_last if channels_last(model, task.data.x.device) else torch.contiguous_format
         model.train()
@@ -148,6 +169,21 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
         raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
                             f"client {task.cid}, {what}")
     return float(table.double().sum(0).mean())
+
+
+@contextmanager
+def frozen(model: nn.Module, keys: Sequence[str]) -> Iterator[None]:
+    """The parameters named by ``keys`` out of training for the block (``requires_grad`` off, so
+    the loop's optimiser never sees them), then restored."""
+    params = dict(model.named_parameters())
+    saved = {k: params[k].requires_grad for k in keys if k in params}
+    for k in saved:
+        params[k].requires_grad_(False)
+    try:
+        yield
+    finally:
+        for k, flag in saved.items():
+            params[k].requires_grad_(flag)
 
 
 _PLAIN = ClientUpdate()
@@ -283,5 +319,5 @@ preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distilla
 preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
        loss="fedgrab")
 
-__all__ = ["client_update", "ClientUpdate", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
+__all__ = ["client_update", "ClientUpdate", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
            "trainable_names"]

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
@@ -39,7 +38,7 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy, frozen
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
 from fedlt.algorithms.stateful import add_to_grad, features_of
@@ -82,21 +81,6 @@ def part_keys(model: nn.Module, part: str) -> list[str]:
     return [k for k in keys if (k in inside) == (part == "head")]
 
 
-@contextmanager
-def frozen(model: nn.Module, keys: Sequence[str]) -> Iterator[None]:
-    """The parameters named by ``keys`` out of training for the block (``requires_grad`` off, so
-    the loop's optimiser never sees them), then restored."""
-    params = dict(model.named_parameters())
-    saved = {k: params[k].requires_grad for k in keys if k in params}
-    for k in saved:
-        params[k].requires_grad_(False)
-    try:
-        yield
-    finally:
-        for k, flag in saved.items():
-            params[k].requires_grad_(flag)
-
-
 def _clone(state: State, keys: Sequence[str] | None = None) -> State:
     return {k: v.detach().clone() for k, v in state.items() if keys is None or k in keys}
 
@@ -120,14 +104,11 @@ class PartsUpdate(ClientUpdate):
     shared: str = "all"
     stream: str = ""
 
-    def build(self, task: ClientTask) -> nn.Module:
-        return place_model(task.context.model.build(), task.data.x.device)
+    def start(self, task: ClientTask) -> ClientTask:
+        return dataclasses.replace(task, weights=task.weights | task.state.get(PERSONAL, {}))
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = self.build(task) if model is None else model
-        start = task.weights | task.state.get(PERSONAL, {})
-        with frozen(model, part_keys(model, self.freeze)):
-            return super().__call__(dataclasses.replace(task, weights=start), model)
+    def frozen_keys(self, model: nn.Module) -> Sequence[str]:
+        return part_keys(model, self.freeze)
 
     def generator(self, task: ClientTask) -> torch.Generator:
         if not self.stream:
