@@ -95,10 +95,16 @@ def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, 
     from fedlt.engine import run
     from fedlt.testing.algorithms import TINY
 
-    settings = dict(TINY, model="mlp", algorithm="fedrep", rounds=2, cohort=4)
+    settings = dict(TINY, model="mlp", algorithm="apfl", rounds=2, cohort=4)
     with caplog.at_level("WARNING", logger="fedlt"):
         summary = run(RunConfig(**settings, out=tmp_path / "run"))
     said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
     assert len(said) == 1 and said[0].startswith("fedlt: --cohort 4 falls back to one client at a time: ")
     assert "\n" not in said[0] and summary["cohort_fallback"] in said[0]
     assert "overrides ClientUpdate" in summary["cohort_fallback"]
+
+
+def test_phases_continue_each_clients_random_stream():
+    """FedRep's and Ditto's second phase draws its augmentation where the first phase's stream
+    stopped (as the sequential round, one stream for both phases): a cohort that restarted it fails."""
+    check_cohort("ditto", augment="hflip", clients=3, size=3, train_limit=150)

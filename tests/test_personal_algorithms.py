@@ -403,7 +403,8 @@ def test_a_fedrod_client_never_sampled_adds_the_initial_personal_head():
 
 def test_what_trains_alone_says_why():
     assert "overrides ClientUpdate.stepped" in cohort_reason(fedlt.algorithms.create("apfl"), MLP(D, C))
-    for name in ("fedavg_ft", "fedper", "fedbabu", "lg_fedavg", "local"):  # the loop's start and frozen_keys hooks
+    # the loop's start and frozen_keys hooks; FedRep's and Ditto's phases one cohort each
+    for name in ("fedavg_ft", "fedper", "fedbabu", "lg_fedavg", "local", "fedrep", "ditto"):
         assert cohort_reason(fedlt.algorithms.create(name), MLP(D, C)) is None
 
 

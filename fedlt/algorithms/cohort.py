@@ -39,8 +39,8 @@ from torch.func import functional_call, vmap
 import fedlt.augment
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
-                                            frozen, trainable_names)
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+                                            client_update, frozen, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -107,6 +107,18 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     update = client_variant(algorithm)
     if update is None:
         return f"{type(algorithm).__name__}'s client work is not a ClientUpdate loop"
+    loops = update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
+    reason = next((r for r in map(_loop_reason, loops) if r), None)
+    if reason:
+        return reason
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return f"the model has {type(m).__name__} (running statistics updated in place per client)"
+    return _random_module(model) or (_probe(model, sample) if sample is not None else None)
+
+
+def _loop_reason(update: ClientUpdate) -> str | None:
+    """Why one local loop cannot run as a cohort step: a hook the batched step does not carry."""
     for hook in ("parts", "backward"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
@@ -115,10 +127,7 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     for hook in ("__call__", "loop", "stepped"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            return f"the model has {type(m).__name__} (running statistics updated in place per client)"
-    return _random_module(model) or (_probe(model, sample) if sample is not None else None)
+    return None
 
 
 def _same_schedule(tasks: Sequence[ClientTask]) -> str | None:
@@ -335,6 +344,23 @@ class Cohort:
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 
+def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+    """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
+    cohort per phase, each client's random stream carried from phase to phase."""
+    if not isinstance(update, PhasedUpdate):
+        return Cohort(update, tasks, model).run()
+    done: list[list[ClientResult]] = [[] for _ in tasks]
+    streams = None
+    while True:
+        steps = [update.phase(len(d), t, d) for t, d in zip(tasks, done)]
+        if steps[0] is None:
+            return [update.join(t, d) for t, d in zip(tasks, done)]
+        cohort = Cohort(steps[0][0], [task for _, task in steps], model, streams)
+        for d, result in zip(done, cohort.run()):
+            d.append(result)
+        streams = cohort.streams()
+
+
 class CohortRunner:
     """A ClientRunner that trains a FedAvg-family round's participants ``size`` at a time as one
     cohort each (:class:`Cohort`), around ``transport`` (this process's ``LocalRunner``), which
@@ -372,8 +398,8 @@ class CohortRunner:
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += [uploaded(t, r) for t, r in zip(chunk, Cohort(update, [isolated(t) for t in chunk],
-                                                                      algorithm._work).run())]
+                out += [uploaded(t, r) for t, r in zip(chunk, train_cohort(update, [isolated(t) for t in chunk],
+                                                                           algorithm._work))]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise
@@ -404,4 +430,4 @@ def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
     return transport if size <= 1 else CohortRunner(transport, size)
 
 
-__all__ = ["Cohort", "CohortRunner", "cohort_fallback", "cohort_reason", "with_cohort"]
+__all__ = ["Cohort", "CohortRunner", "train_cohort", "cohort_fallback", "cohort_reason", "with_cohort"]

@@ -171,6 +171,34 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
     return float(table.double().sum(0).mean())
 
 
+class PhasedUpdate(ClientUpdate):
+    """A round of several local loops, one after another on the same work module and in the
+    client's one random stream (FedRep: the head, then the body; Ditto: w, then v).
+    ``phase(index, task, done)`` gives phase ``index``'s loop and task from the round's task and
+    the results of the phases before it (None: the round is over), ``join`` the round's result
+    from the phases'. ``loops()`` names every loop a phase may run, and phase ``index`` runs the
+    same loop for every client: so a cohort (fedlt.algorithms.cohort) runs each phase for all of
+    its clients together."""
+
+    def loops(self) -> Sequence[ClientUpdate]:
+        raise NotImplementedError
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        raise NotImplementedError
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        raise NotImplementedError
+
+    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+        model = self.build(task) if model is None else model
+        done: list[ClientResult] = []
+        while (step := self.phase(len(done), task, done)) is not None:
+            update, phase_task = step
+            done.append(update(phase_task, model))
+        return self.join(task, done)
+
+
 @contextmanager
 def frozen(model: nn.Module, keys: Sequence[str]) -> Iterator[None]:
     """The parameters named by ``keys`` out of training for the block (``requires_grad`` off, so
@@ -319,5 +347,5 @@ preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distilla
 preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
        loss="fedgrab")
 
-__all__ = ["client_update", "ClientUpdate", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
+__all__ = ["client_update", "ClientUpdate", "PhasedUpdate", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
            "trainable_names"]

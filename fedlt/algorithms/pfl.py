@@ -38,7 +38,7 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy, frozen
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, PhasedUpdate, Strategy, frozen
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
 from fedlt.algorithms.stateful import add_to_grad, features_of
@@ -134,21 +134,31 @@ def _joined(first: ClientResult, second: ClientResult) -> ClientResult:
 
 
 @dataclass(frozen=True)
-class RepUpdate(PartsUpdate):
+class RepUpdate(PhasedUpdate):
     """FedRep's round: ``head_epochs`` epochs of the head with the body frozen (a stream of its
     own), then the round's schedule on the body with the head frozen; keeps the head, sends the body."""
 
+    keep: str = "head"
+    freeze: str = "none"
+    shared: str = "body"
     head_epochs: int = 1
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = self.build(task) if model is None else model
-        schedule = dataclasses.replace(task.schedule, epochs=self.head_epochs, iters=None)
-        head = PartsUpdate(keep="head", freeze="body", shared="body", stream="fedrep-head")
-        first = head(dataclasses.replace(task, schedule=schedule), model)
-        trained = _clone(model.state_dict())  # the head phase's model (BatchNorm statistics included)
-        body = PartsUpdate(keep="head", freeze="head", shared="body")
-        second = body(dataclasses.replace(task, weights=trained, state=first.state), model)
-        return _joined(first, second)
+    def loops(self) -> tuple[PartsUpdate, PartsUpdate]:
+        # the head phase sends nothing: its "upload" is its whole trained model (BatchNorm
+        # statistics included), where the body phase starts
+        return (PartsUpdate(keep="head", freeze="body", shared="all", stream="fedrep-head"),
+                PartsUpdate(keep="head", freeze="head", shared="body"))
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        head, body = self.loops()
+        if index == 0:
+            return head, dataclasses.replace(task, schedule=dataclasses.replace(task.schedule, epochs=self.head_epochs,
+                                                                                iters=None))
+        return (body, dataclasses.replace(task, weights=done[0].weights, state=done[0].state)) if index == 1 else None
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        return _joined(*done)
 
 
 class SharedStrategy(Strategy):
@@ -418,21 +428,26 @@ class ProximalUpdate(ClientUpdate):
 
 
 @dataclass(frozen=True)
-class DittoUpdate(ClientUpdate):
+class DittoUpdate(PhasedUpdate):
     """Ditto's round (Li et al., ICML 2021, Algorithm 1): w_k by the local loop from the received
     w (sent for averaging), then the personal v from the client's own (the initial model the first
     time) by the same loop, on the same minibatches, with the gradient of (λ/2)‖v − w‖² added."""
 
     lam: float
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = place_model(task.context.model.build(), task.data.x.device) if model is None else model
-        result = super().__call__(task, model)
+    def loops(self) -> tuple[ClientUpdate, ProximalUpdate]:
+        return ClientUpdate(), ProximalUpdate(self.lam)
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        shared, personal = self.loops()
+        if index == 0:
+            return shared, task
         own = task.state.get(PERSONAL) or task.payload["init"]
-        personal = ProximalUpdate(self.lam)(
-            dataclasses.replace(task, weights=own, payload={"anchor": task.weights}), model)
-        result.state = result.state | personal.state
-        return result
+        return (personal, dataclasses.replace(task, weights=own, payload={"anchor": task.weights})) if index == 1 else None
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        return dataclasses.replace(done[0], state=done[0].state | done[1].state)
 
 
 class InitStrategy(SharedStrategy):
