@@ -27,10 +27,17 @@ def test_cohort_equals_sequential(name):
     check_cohort(name, cheap.params(name))  # CReFF's, CCVR's and FedLoGe's server-side sizes cut (tests/cheap.py)
 
 
-@pytest.mark.parametrize("name,hook", [("moon", "parts"), ("feddecorr", "parts"), ("fedsam", "backward")])
-def test_what_cannot_be_vmapped_says_why(name, hook):
+@pytest.mark.parametrize("name,why", [("fedsam", "overrides ClientUpdate.backward"),
+                                      ("apfl", "overrides ClientUpdate.stepped"),
+                                      ("feddecorr", "magnifies the batched forward's float rounding")])
+def test_what_cannot_be_vmapped_says_why(name, why):
     algorithm = fedlt.algorithms.create(name)
-    assert f"overrides ClientUpdate.{hook}" in cohort_reason(algorithm, nn.Linear(2, 2))
+    assert why in cohort_reason(algorithm, nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper"])
+def test_what_now_runs_batched(name):  # the terms hook (a representation, a second head, reference forwards), phases
+    assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 
 
 def test_models_coupling_a_batch_or_drawing_randomness_fall_back():

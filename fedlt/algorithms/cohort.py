@@ -39,8 +39,8 @@ from torch.func import functional_call, vmap
 import fedlt.augment
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
-                                            client_update, frozen, trainable_names)
+from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+                                            client_update, features_of, frozen, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -118,7 +118,10 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
 
 
 def _loop_reason(update: ClientUpdate) -> str | None:
-    """Why one local loop cannot run as a cohort step: a hook the batched step does not carry."""
+    """Why one local loop cannot run as a cohort step: a hook the batched step does not carry,
+    or its own stated reason."""
+    if update.cohort_refusal:
+        return update.cohort_refusal
     for hook in ("parts", "backward"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
@@ -185,6 +188,33 @@ def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[
     return _Client(task, objective, augment, local, stream, dict(after))
 
 
+class _ClientForward:
+    """``StepForward``'s interface (fedlt.algorithms.fedavg_family) over one client's slice ``j``
+    of a cohort's batched forward: its logits and h, its weights (``params``: name → stacked
+    over the group) for a submodule's call, and a reference forward of its own."""
+
+    def __init__(self, model: nn.Module, prefixes: dict[int, str], params: dict[str, torch.Tensor], j: int,
+                 x: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+        self.model, self.prefixes, self.params, self.j = model, prefixes, params, j
+        self.x, self.logits, self.features = x, logits, features
+
+    def _weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        prefix = self.prefixes[id(module)]
+        return {n[len(prefix):]: t[self.j] for n, t in self.params.items() if n.startswith(prefix)}
+
+    def call(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, self._weights(module), inputs)
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        return self._weights(module)[name]
+
+    @torch.no_grad()
+    def reference(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        with features_of(self.model) as seen, eval_mode(self.model):
+            functional_call(self.model, weights, (self.x,))
+        return seen[0]
+
+
 class Cohort:
     """N participants' round as one vmapped loop (see the module); ``run()`` returns their results
     in the order of ``tasks``. ``rng``: each client's random stream to continue (a later phase of
@@ -207,13 +237,14 @@ class Cohort:
                     self._step([b for b in batches if tuple(b[1].shape) == shape])
             return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
-    def streams(self) -> list[dict[str, torch.Tensor]]:
+    def streams(self) -> list[dict[str, torch.Tensor | None]]:
         """Each client's random stream where its round stopped (the next phase continues it)."""
         return [c.rng for c in self.clients]
 
     def _setup(self) -> None:
         model = self.model
         self.names = trainable_names(model)
+        self.prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
         self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
         trainable = set(self.names)
@@ -238,15 +269,24 @@ class Cohort:
     def _forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, params, (x,))
 
+    def _with_features(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the representation h (``features_of``), captured inside the vmapped call."""
+        with features_of(self.model) as seen:
+            logits = functional_call(self.model, params, (x,))
+        return logits, seen[0]
+
     def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ks = [k for k, _, _ in group]
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-        fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()}
         x = torch.stack([x for _, x, _ in group])
         device = x.device
         with forward_precision(self.schedule.precision, device):
-            logits = upcast(vmap(self._forward)(dict(zip(self.names, leaves)) | fixed, x))
+            if self.update.features:
+                logits, features = vmap(self._with_features)(params, x)
+            else:
+                logits, features = vmap(self._forward)(params, x), None
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
             total = []
             for j, (k, _, y) in enumerate(group):
@@ -256,11 +296,14 @@ class Cohort:
                     extra["teacher_logits"] = teacher[j]
                 if c.objective.needs_params:
                     extra["params"] = [leaf[j] for leaf in leaves]
+                forward = _ClientForward(self.model, self.prefixes, params, j, x[j], logits[j],
+                                         None if features is None else features[j])
                 with _Seeded(c):
-                    value = c.objective(logits[j], y, **extra)
-                c.parts.setdefault(OBJECTIVE, []).append(value.detach())
+                    parts = self.update.terms(c.local, forward, c.objective, y, extra)
+                for name, value in parts.items():
+                    c.parts.setdefault(name, []).append(value.detach())
                 c.steps += 1
-                total.append(value)
+                total.append(sum(parts.values()))
         with backward_precision(device):
             torch.stack(total).sum().backward()
         grads = self._corrected(ks, leaves)

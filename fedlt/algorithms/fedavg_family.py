@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import ConfigDict, Field, PrivateAttr
@@ -25,7 +25,7 @@ from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, N
                                    forward_precision, place_model, proportional_batches, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
-from fedlt.models import eval_mode
+from fedlt.models import classifier, eval_mode
 from fedlt.spec import Params
 
 
@@ -35,6 +35,52 @@ def trainable_names(model: nn.Module) -> list[str]:
 
 
 OBJECTIVE = "objective"  # the part of a step's loss that is the task's loss expression
+
+
+@contextmanager
+def features_of(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects, flattened to B×d, the input of the model's classifier on every forward inside
+    the block (also through ``functional_call`` with other weights): the representation h of the
+    papers, with no change to the model or to what it computes."""
+    seen: list[torch.Tensor] = []
+    handle = classifier(model).register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+class StepForward:
+    """One client's forward of one local step, as a variant's ``ClientUpdate.terms`` reads it:
+    ``logits`` (the model on the step's x), ``features`` (the classifier's input h, B×d, when
+    the variant asks for it: ``ClientUpdate.features``), ``call(module, *inputs)`` (a submodule
+    of ``model`` run with this client's weights: FedRoD's personal head), ``param(module, name)``
+    (this client's tensor of a submodule: FedLF's classifier weight) and ``reference(weights)``
+    (h of the model with other weights on the same x, in eval mode, no gradient: MOON's
+    received and previous models). This one runs ``model`` itself; a cohort gives each of its
+    clients the same interface over its slice of the batched forward."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, features: bool) -> None:
+        self.model, self.x = model, x
+        self.features: torch.Tensor | None = None
+        if features:
+            with features_of(model) as seen:
+                self.logits = model(x)
+            self.features = seen[0]
+        else:
+            self.logits = model(x)
+
+    def call(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        return module(*inputs)
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        return getattr(module, name)
+
+    @torch.no_grad()
+    def reference(self, weights: State) -> torch.Tensor:
+        with features_of(self.model) as seen, eval_mode(self.model):
+            functional_call(self.model, weights, (self.x,))
+        return seen[0]
 
 
 class ClientUpdate:
@@ -121,11 +167,22 @@ class ClientUpdate:
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return None
 
+    features: ClassVar[bool] = False  # whether ``terms`` reads the representation (``StepForward.features``)
+    # why a cohort (fedlt.algorithms.cohort) must not batch this loop although it could: its
+    # result would not equal the sequential one within the cohort's tolerance
+    cohort_refusal: ClassVar[str | None] = None
+
     def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The step's loss as named parts (their sum is minimised): the objective, and what a
-        variant adds under a name of its own."""
-        return {OBJECTIVE: objective(upcast(model(x)), y, **extra)}  # bf16 logits: the loss in float32
+        """The step's loss as named parts (their sum is minimised): ``terms`` of the model's
+        forward on x. A variant that adds a term overrides ``terms``, which a cohort runs too."""
+        return self.terms(local, StepForward(model, x, self.features), objective, y, extra)
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The step's loss as named parts from its forward: the objective, and what a variant
+        adds under a name of its own."""
+        return {OBJECTIVE: objective(upcast(forward.logits), y, **extra)}  # bf16 logits: the loss in float32
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
                  y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -347,5 +404,5 @@ preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distilla
 preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
        loss="fedgrab")
 
-__all__ = ["client_update", "ClientUpdate", "PhasedUpdate", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
+__all__ = ["client_update", "ClientUpdate", "PhasedUpdate", "StepForward", "features_of", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
            "trainable_names"]

@@ -38,10 +38,11 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, PhasedUpdate, Strategy, frozen
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, FedAvgFamily, PhasedUpdate, StepForward, Strategy,
+                                            frozen)
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
-from fedlt.algorithms.stateful import add_to_grad, features_of
+from fedlt.algorithms.stateful import add_to_grad
 from fedlt.bounds import MAX_EPOCHS
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
@@ -367,11 +368,12 @@ class RoDUpdate(PartsUpdate):
     def build(self, task: ClientTask) -> nn.Module:
         return place_model(with_dual_head(task.context.model.build()), task.data.x.device)
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features = True
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            z = upcast(model(x))
-        personal = upcast(classifier(model).personal(seen[0].detach()))
+        z = upcast(forward.logits)
+        personal = upcast(forward.call(classifier(forward.model).personal, forward.features.detach()))
         return {OBJECTIVE: objective(z, y, **extra),
                 PERSONAL_HEAD_TERM: F.cross_entropy(z.detach() + personal, y)}
 
