@@ -47,9 +47,9 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-# Fed-GraB (the seed method); PFLlib's Ditto (a whole personal model), FedRoD (two heads, the
-# balanced softmax, its personal prediction) and FedBABU (a personal model fine-tuned at evaluation)
-@pytest.mark.parametrize("method", ["fedgrab", "ditto", "fedrod", "fedbabu"])
+# Fed-GraB (the seed method), FedProto; PFLlib's Ditto (a whole personal model), FedRoD (two
+# heads, the balanced softmax, its personal prediction) and FedBABU (fine-tuned at evaluation)
+@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw
@@ -79,3 +79,12 @@ def test_the_personal_scores_tell_another_personal_model_apart(harness, tmp_path
     side = fedlt_side(harness, fixture, tmp_path, algorithm_params={"loss": "ce"})
     next(side.rounds())  # round 1 trained
     assert harness.scores_difference(side, 0, fixture["record"][0]["personal"], fixture["scores"]) > 1e-3
+
+
+def test_the_fedproto_replay_tells_another_prototype_weight_apart(harness, tmp_path):
+    """λ = 0.5 instead of 1: round 1 has no server prototypes yet (agrees), round 2 pulls to them."""
+    fixture = json.loads((GOLDEN / "replay_fedproto.json").read_text())
+    fixture["settings"]["rounds"] = 2
+    rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params={"lam": 0.5}))
+    assert worst_difference(harness, "fedproto", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
+    assert worst_difference(harness, "fedproto", rounds[1], fixture["record"][1]) > 1e-6

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from fedlt.losses import register
 from fedlt.losses.adjust import LogitAdjust
 from fedlt.losses.base import (
+    one_hot,
     DeviceCache,
     LossTerm,
     as_counts,
@@ -43,7 +44,7 @@ def logit_suppression_reference(logits: torch.Tensor, targets: torch.Tensor,
     A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C + 1e-9) if y_i ≠ c else 0 (an entry of 0, not −inf)."""
     B, C = logits.shape
     A = logits - torch.log(p + 1e-9) + math.log(1.0 / C + 1e-9)  # their log(balanced_prior + 1e-9)
-    A = A.masked_fill(F.one_hot(targets, C).bool(), 0.0)
+    A = A.masked_fill(one_hot(targets, C), 0.0)
     s = torch.logsumexp(A, dim=0) - math.log(B)
     return 0.005 * (p * s).sum()
 
@@ -53,7 +54,7 @@ def logit_suppression_paper(logits: torch.Tensor, targets: torch.Tensor,
     """FedVLS eqs. 4–5: Σ_c p_c·log((1/B)·Σ_i 1[y_i ≠ c]·e^{z_ic}); a class with no sample of
     another label in the batch contributes 0."""
     B, C = logits.shape
-    own = F.one_hot(targets, C).bool()
+    own = one_hot(targets, C)
     has_other = (~own).any(dim=0)
     masked = logits.masked_fill(own, float("-inf"))
     # Classes with no other-label sample are computed on zeros and discarded, so neither their

@@ -7,7 +7,7 @@ teacher copy, the three losses) and the class ``FedVLS`` (system/flcore/servers/
 ``send_models``, ``receive_models``, ``aggregate_parameters``), whose ``__init__`` (it reads their
 data) is not run: the attributes those methods read are set. Their code calls ``.cuda()`` on
 tensors unconditionally (clientvls.py:51, 56-57, 97-98); the replay runs it on the CPU with
-``Tensor.cuda`` answering the tensor itself while their code runs (tools/fedvls_repro's
+``Tensor.cuda`` answering the tensor itself (``fedlt_side.cuda_as_cpu``; tools/fedvls_repro's
 patch_authors.sh deletes the calls from a copy instead). ``clientVLS.train`` is handed a loader
 that yields, per iteration, the class-count pass (the client's whole data once, its first round
 only) and then each epoch of the minibatches fedlt's schedule drew. The model is fedlt's (their
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from authors_code import load as load_definitions
-from fedlt_side import EpochLoader
+from fedlt_side import EpochLoader, cuda_as_cpu
 
 REPO = "github.com/krumpguo/FedVLS"
 COMMIT = "7d8163f4410ecef565a1d4e27703cd4bcab403d5"
@@ -54,19 +54,17 @@ REASONS = {"released": {
 
 
 @contextlib.contextmanager
-def on_the_cpu(dtype: torch.dtype | None = None) -> Iterator[None]:
-    """``Tensor.cuda`` answering the tensor itself, for the duration (their unconditional calls);
-    with ``dtype`` (matched mode) their float32 counts and prior (``torch.Tensor(...).float()``,
-    clientvls.py:51, 97-98) are made in the model's dtype instead."""
-    cuda, to_float, default = torch.Tensor.cuda, torch.Tensor.float, torch.get_default_dtype()
-    torch.Tensor.cuda = lambda self, *a, **k: self
+def counts_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """With ``dtype`` (matched mode), their float32 counts and prior (``torch.Tensor(...).float()``,
+    clientvls.py:51, 97-98) made in the model's dtype for the duration; None: as released."""
+    to_float, default = torch.Tensor.float, torch.get_default_dtype()
     if dtype is not None:
         torch.Tensor.float = lambda self, *a, **k: self.to(dtype)
         torch.set_default_dtype(dtype)
     try:
         yield
     finally:
-        torch.Tensor.cuda, torch.Tensor.float = cuda, to_float
+        torch.Tensor.float = to_float
         torch.set_default_dtype(default)
 
 
@@ -93,6 +91,7 @@ class Authors:
         load_definitions(git_dir, COMMIT, "system/flcore/servers/servervls.py", ["FedVLS"], self.ns)
         self.initial, self.config, self.round, self.mode = copy.deepcopy(initial), config, 0, mode
         self.lam = _lam(config.algorithm_params.get("loss", "fedvls(lam=0.1)"))
+        cuda_as_cpu()
 
     def attach(self, side: Any) -> None:
         c = self.config
@@ -112,7 +111,7 @@ class Authors:
         self.server.send_models()
         loader = CountThenEpochs(x, y, batches, self.config.local_epochs, client.num_per_class is None)
         dtype = next(client.model.parameters()).dtype if self.mode == "matched" else None
-        with on_the_cpu(dtype), contextlib.redirect_stdout(io.StringIO()):  # their per-epoch prints
+        with counts_in(dtype), contextlib.redirect_stdout(io.StringIO()):  # their per-epoch prints
             client.train(loader, self.round)
         return {"weights": {k: v.detach().clone() for k, v in client.model.state_dict().items()}, "loss": None}
 

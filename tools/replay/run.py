@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -33,13 +34,17 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
+import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
+import fedproto  # noqa: E402
 import fedvls  # noqa: E402
+import fedyoyo  # noqa: E402
 import personalised  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, relative_difference,  # noqa: E402
                         replay_config, write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS}
+ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
+            "fedyoyo": fedyoyo}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -52,7 +57,7 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
                              + abs(len(gates) - len(theirs["gates"])))
     for group, tensors in quantities(method, ours).items():
-        out[group] = group_difference(tensors, theirs.get(group, {}))
+        out[group] = group_difference(tensors, theirs.get(group, {}))  # a key on one side only: inf
     if theirs.get("loss") is not None:
         out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
     return out
@@ -105,6 +110,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
         theirs, worst = {}, {}
+        if hasattr(authors, "begin_round"):  # a server phase before training (FedYoYo's prior)
+            authors.begin_round(rec.participants, {c: (side.client(c).x, side.client(c).y) for c in rec.participants})
         for cid in rec.participants:
             client = side.client(cid)
             theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
