@@ -43,7 +43,7 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-@pytest.mark.parametrize("method", ["fedgrab", "ditto"])
+@pytest.mark.parametrize("method", ["fedgrab", "ditto", "fedproto"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw
@@ -59,3 +59,12 @@ def test_the_replay_tells_a_different_setting_apart(harness, tmp_path):
     del fixture["settings"]["optimiser"]
     rec = next(iter(fedlt_rounds(harness, fixture, tmp_path, optimiser={"momentum": 0.6})))
     assert worst_difference(harness, "fedgrab", rec, fixture["record"][0]) > 1e-3
+
+
+def test_the_fedproto_replay_tells_another_prototype_weight_apart(harness, tmp_path):
+    """λ = 0.5 instead of 1: round 1 has no server prototypes yet (agrees), round 2 pulls to them."""
+    fixture = json.loads((GOLDEN / "replay_fedproto.json").read_text())
+    fixture["settings"]["rounds"] = 2
+    rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params={"lam": 0.5}))
+    assert worst_difference(harness, "fedproto", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
+    assert worst_difference(harness, "fedproto", rounds[1], fixture["record"][1]) > 1e-6

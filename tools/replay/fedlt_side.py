@@ -160,6 +160,15 @@ class EpochLoader:
     def __iter__(self):
         return iter(self.epochs.pop(0))
 
+    def __len__(self) -> int:  # a DataLoader's: its batches per epoch
+        return len(self.epochs[0]) if self.epochs else 0
+
+
+def cuda_as_cpu() -> None:
+    """The authors' ``.cuda()`` calls made no-ops in this process (the harness's own; offline)."""
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
@@ -178,11 +187,14 @@ SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
     uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
-    out = {"weights": result.weights}
+    out = {"weights": result.weights} if result.weights else {}  # FedProto uploads no weights
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
-    if method == "ditto":
+    if method in ("ditto", "fedproto"):
         out["personal"] = result.state["personal"]
+    if method == "fedproto":  # the classes it holds: their prototypes are a dict over those
+        held = result.extras["present"].bool()
+        out["prototypes"] = {str(c): result.extras["prototypes"][c] for c in held.nonzero().flatten().tolist()}
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -32,11 +33,14 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
 import ditto  # noqa: E402
+import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
+import fedproto  # noqa: E402
+import fedyoyo  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedproto": fedproto, "fedgela": fedgela, "fedyoyo": fedyoyo}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -49,7 +53,9 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
                              + abs(len(gates) - len(theirs["gates"])))
     for group, tensors in quantities(method, ours).items():
-        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors)
+        mine, other = tensors, theirs[group]  # a key on one side only (a prototype's class) is a difference
+        out[group] = max(relative_difference(mine[k], other[k]) if k in mine and k in other else math.inf
+                         for k in set(mine) | set(other))
     if theirs.get("loss") is not None:
         out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
     return out
@@ -80,6 +86,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
         theirs, worst = {}, {}
+        if hasattr(authors, "begin_round"):  # a server phase before training (FedYoYo's prior)
+            authors.begin_round(rec.participants, {c: (side.client(c).x, side.client(c).y) for c in rec.participants})
         for cid in rec.participants:
             client = side.client(cid)
             theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
