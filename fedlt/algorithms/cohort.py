@@ -50,6 +50,7 @@ def client_variant(algorithm: Any) -> ClientUpdate | None:
     """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
     when its client work is something else."""
     fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    fn = getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
@@ -248,9 +249,11 @@ class Cohort:
         self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
         trainable = set(self.names)
-        # frozen parameters and buffers: the same for every step, stacked once
+        # frozen parameters and buffers: the same for every step, stacked once (a non-persistent
+        # buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
         self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
-                      for n, _ in [*model.named_parameters(), *model.named_buffers()] if n not in trainable}
+                      for n, _ in [*model.named_parameters(), *model.named_buffers()]
+                      if n not in trainable and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
@@ -348,7 +351,8 @@ class Cohort:
         if self.schedule.clip is None:
             return
         present = [g for g in grads if g is not None]
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in present], 1)
+        # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
         coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
