@@ -108,7 +108,10 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     update = client_variant(algorithm)
     if update is None:
         return f"{type(algorithm).__name__}'s client work is not a ClientUpdate loop"
-    loops = update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
+    phased = type(update).__call__ is PhasedUpdate.__call__
+    loops = update.loops() if phased else [update]
+    if phased and any(type(u).without_loop is not ClientUpdate.without_loop for u in loops):
+        return f"{type(update).__name__} has a phase that may answer without training (without_loop)"
     reason = next((r for r in map(_loop_reason, loops) if r), None)
     if reason:
         return reason
@@ -391,11 +394,23 @@ class Cohort:
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 
+def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+    """Each task the update answers without training (``without_loop``, in the client's stream
+    as sequentially), the others trained as one :class:`Cohort`; in the order of ``tasks``."""
+    answered = []
+    for task in tasks:
+        with client_rng(task):
+            answered.append(update.without_loop(task, model))
+    rest = [t for t, a in zip(tasks, answered) if a is None]
+    trained = iter(Cohort(update, rest, model).run() if rest else [])
+    return [a if a is not None else next(trained) for a in answered]
+
+
 def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
     """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
     cohort per phase, each client's random stream carried from phase to phase."""
     if not isinstance(update, PhasedUpdate):
-        return Cohort(update, tasks, model).run()
+        return _answered_or_trained(update, tasks, model)
     done: list[list[ClientResult]] = [[] for _ in tasks]
     streams = None
     while True:
