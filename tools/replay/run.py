@@ -35,12 +35,14 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_sou
 import ditto  # noqa: E402
 import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
+import fedic  # noqa: E402
 import fedproto  # noqa: E402
 import fedyoyo  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedproto": fedproto, "fedgela": fedgela, "fedyoyo": fedyoyo}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedproto": fedproto, "fedgela": fedgela, "fedyoyo": fedyoyo,
+            "fedic": fedic}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -75,13 +77,16 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     adapter = ADAPTERS[args.method]
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
-    data = write_data(work / "data.npz")
+    data_size = {"n_train": 240, "n_test": 100, "size": 8, "seed": 0} | getattr(adapter, "DATA", {})
+    data = write_data(work / "data.npz", **data_size)
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
-    config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
-                           **epochs)
+    # an adapter's own settings (FEDIC: 8 participants, as their gate's 1/8 weights hard-code) win
+    config = replay_config(args.method, data, work / "run", **{"rounds": args.rounds, "participation": args.participation,
+                                                               **epochs, **getattr(adapter, "SETTINGS", {})})
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
-    authors = adapter.Authors(args.git, args.mode, initial, config)
+    authors = adapter.Authors(args.git, args.mode, initial, config, **({"side": side} if hasattr(adapter, "SETTINGS")
+                                                                       else {}))
     tol = TOLERANCE[args.dtype]
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
@@ -112,10 +117,11 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         first["reason"] = getattr(adapter, "REASONS", {}).get(args.mode, {}).get(q, "not explained yet")
     settings = {k: v for k, v in config.model_dump(mode="json").items()
                 if k in ("clients", "participation", "rounds", "local_epochs", "batch_size", "optimiser", "drop_last",
-                         "partition", "seeds", "model", "algorithm")}
+                         "partition", "seeds", "model", "algorithm")
+                or (k == "algorithm_params" and v)}
     return {"method": args.method, "source": {"repo": adapter.REPO, "commit": adapter.COMMIT},
             "mode": args.mode, "dtype": args.dtype, "tolerance": tol, "settings": settings,
-            "data": {"n_train": 240, "n_test": 100, "size": 8, "seed": 0}, "rounds": rows, "first_difference": first,
+            "data": data_size, "rounds": rows, "first_difference": first,
             "record": record_rounds}
 
 
