@@ -57,7 +57,9 @@ def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     side = fedlt_side(harness, fixture, tmp_path)
     for rec, recorded in zip(side.rounds(), fixture["record"], strict=True):
         worst = worst_difference(harness, method, rec, recorded)
-        if "personal" in recorded:  # every client's personal model, as the authors' evaluation scored it
+        if "personal" in recorded and rec.round + 1 == len(fixture["record"]):
+            # every client's personal model after the last round, as the authors' evaluation scored it
+            # (the kept parts are compared every round above; a fine-tune per client is the cost)
             worst = max(worst, harness.scores_difference(side, rec.round, recorded["personal"], fixture["scores"]))
         assert worst <= fixture["tolerance"], f"round {rec.round + 1}"
 
