@@ -140,8 +140,20 @@ def test_the_run_stops_before_the_round_that_would_spend_past_the_budget(tmp_pat
     assert [r.message for r in caplog.records if "budget" in r.message] == [
         f"fedlt: stopped after round 1: round 2 would take ε from {after[0]:.4g} to {after[1]:.4g}, past the "
         f"budget {cfg.stop_at_epsilon:g}"]
+    assert run(cfg, resume=True)["privacy"]["stopped_by_privacy_budget"]  # resumed: stops again at once
     with pytest.raises(FedltError, match="the first round alone would spend"):
         run(cfg.model_copy(update={"stop_at_epsilon": after[0] / 2, "out": tmp_path / "none"}))
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+
+
+def test_the_budget_stops_a_client_level_run_too(tmp_path):
+    """local(...): ε after r rounds is dp-accounting's for r Gaussian releases; a budget between
+    rounds 2 and 3 stops a 4-round run after round 2."""
+    cfg = RunConfig(**(BASE | {"privacy": "local(clip=1.0, noise_multiplier=2.0)"}), rounds=4,
+                    stop_at_epsilon=(P.epsilon(2.0, 2, 1, 1, 2 ** -1.1) + P.epsilon(2.0, 3, 1, 1, 2 ** -1.1)) / 2,
+                    out=tmp_path / "run")
+    summary = run(cfg)
+    assert summary["rounds"] == 2 and summary["privacy"]["epsilon"] == P.epsilon(2.0, 2, 1, 1, 2 ** -1.1)
 
 
 @pytest.mark.parametrize("spec, words", [

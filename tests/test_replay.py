@@ -28,8 +28,10 @@ def harness(monkeypatch):
 def fedlt_side(harness, fixture, tmp_path, **overrides):
     data = harness.write_data(tmp_path / "data.npz", **fixture["data"])
     s = fixture["settings"]
-    config = harness.replay_config(s["algorithm"], data, tmp_path / "run", rounds=s["rounds"],
-                                   participation=s["participation"], local_epochs=s["local_epochs"], **overrides)
+    own = {k: s[k] for k in ("clients", "algorithm_params") if k in s}  # an adapter's own (FEDIC's 10 clients)
+    config = harness.replay_config(s["algorithm"], data, tmp_path / "run", **{
+        "rounds": s["rounds"], "participation": s["participation"], "local_epochs": s["local_epochs"], **own,
+        **overrides})
     assert {k: v for k, v in config.model_dump(mode="json").items() if k in s} == s  # the recorded settings
     return harness.FedltSide(config, getattr(torch, fixture["dtype"]))
 
@@ -90,3 +92,13 @@ def test_the_fedproto_replay_tells_another_prototype_weight_apart(harness, tmp_p
     rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params={"lam": 0.5}))
     assert worst_difference(harness, "fedproto", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
     assert worst_difference(harness, "fedproto", rounds[1], fixture["record"][1]) > 1e-6
+
+
+def test_fedlt_replays_fedics_authors_rounds(harness, tmp_path):
+    """FEDIC's two rounds (the second after their optimisers' and calibration's first): each
+    participant's weights, then the server's FedAvg, fine-tune, calibration and distillation."""
+    fixture = json.loads((GOLDEN / "replay_fedic.json").read_text())
+    assert fixture["first_difference"] is None and len(fixture["record"]) == 2
+    assert len(fixture["record"][0]["participants"]) == 8 < fixture["settings"]["clients"]  # their gate's 1/8
+    for rec, recorded in zip(fedlt_rounds(harness, fixture, tmp_path), fixture["record"], strict=True):
+        assert worst_difference(harness, "fedic", rec, recorded) <= fixture["tolerance"], f"round {rec.round + 1}"

@@ -273,10 +273,18 @@ class SampleAccountant:
 
 
 def calibrate_sample_level(target_epsilon: float, delta: float, plans: Sequence[tuple[int, int, int]]) -> float:
-    """The smallest σ (dp-accounting's calibration, per distinct client) whose every client stays at
-    or below ``target_epsilon`` after its steps: ``plans`` are (n_k, b_k, steps over the run)."""
-    return max(calibrate(target_epsilon, delta, steps, n, min(batch, n), "poisson")
-               for n, batch, steps in sorted(set(plans)))
+    """The smallest σ whose every client stays at or below ``target_epsilon`` after its steps
+    (``plans``: (n_k, b_k, steps over the run)): the largest of dp-accounting's calibrations per
+    client. Clients are taken from the likely costliest (q²·T, the subsampled Gaussian's leading
+    term) down; one whose ε at the σ found so far is already within the target is not calibrated
+    (ε falls as σ grows, so it stays within), which leaves one calibration and one ε per other
+    client instead of a calibration each (10 clients: minutes on a CPU)."""
+    sigma = 0.0
+    for n, batch, steps in sorted(set(plans), key=lambda p: -(min(p[1], p[0]) / p[0]) ** 2 * p[2]):
+        if sigma and epsilon(sigma, steps, n, min(batch, n), delta, "poisson") <= target_epsilon:
+            continue
+        sigma = calibrate(target_epsilon, delta, steps, n, min(batch, n), "poisson")
+    return sigma
 
 
 def finite_or_inf(value: float) -> float:

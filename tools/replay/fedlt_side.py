@@ -124,6 +124,9 @@ class FedltSide:
             data = self.prep.data
             self.prep = dataclasses.replace(self.prep, data=dataclasses.replace(
                 data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype)))
+            server = self.prep.ctx.server_data  # held-out images (FEDIC), in place: the algorithm holds this context
+            if server is not None:
+                self.prep.ctx.server_data = dataclasses.replace(server, x=server.x.to(dtype))
         self.states = ClientStates()
         self.device = torch.device("cpu")
 

@@ -36,6 +36,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_sou
 
 import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
+import fedic  # noqa: E402
 import fedproto  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
@@ -44,7 +45,7 @@ from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, re
                         replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
-            "fedyoyo": fedyoyo}
+            "fedyoyo": fedyoyo, "fedic": fedic}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -97,13 +98,17 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     adapter = ADAPTERS[args.method]
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
-    data = write_data(work / "data.npz")
+    data_size = {"n_train": 240, "n_test": 100, "size": 8, "seed": 0} | getattr(adapter, "DATA", {})
+    data = write_data(work / "data.npz", **data_size)
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
-    config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
-                           **epochs)
+    # an adapter's own settings (FEDIC: 8 participants, as their gate's 1/8 weights hard-code) win
+    config = replay_config(args.method, data, work / "run", **{"rounds": args.rounds, "participation": args.participation,
+                                                               **epochs, **getattr(adapter, "SETTINGS", {})})
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
-    authors = adapter.Authors(args.git, args.mode, initial, config)
+    # FEDIC's adapter reads the server's proxy set from fedlt's side as it is built
+    authors = adapter.Authors(args.git, args.mode, initial, config, **({"side": side} if hasattr(adapter, "SETTINGS")
+                                                                       else {}))
     if hasattr(authors, "attach"):  # PFLlib's server builds every client up front
         authors.attach(side)
     tol = TOLERANCE[args.dtype]
@@ -143,11 +148,11 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         first["reason"] = getattr(adapter, "REASONS", {}).get(args.mode, {}).get(q, "not explained yet")
     settings = {k: v for k, v in config.model_dump(mode="json").items()
                 if k in ("clients", "participation", "rounds", "local_epochs", "batch_size", "optimiser", "drop_last",
-                         "partition", "seeds", "model", "algorithm")}
+                         "partition", "seeds", "model", "algorithm")
+                or (k == "algorithm_params" and v)}
     return {"method": args.method, "source": {"repo": adapter.REPO, "commit": adapter.COMMIT},
             "mode": args.mode, "dtype": args.dtype, "scores": getattr(authors, "SCORES", None), "tolerance": tol,
-            "settings": settings,
-            "data": {"n_train": 240, "n_test": 100, "size": 8, "seed": 0}, "rounds": rows, "first_difference": first,
+            "settings": settings, "data": data_size, "rounds": rows, "first_difference": first,
             "record": record_rounds}
 
 
