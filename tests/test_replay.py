@@ -29,7 +29,8 @@ def fedlt_rounds(harness, fixture, tmp_path, **overrides):
     data = harness.write_data(tmp_path / "data.npz", **fixture["data"])
     s = fixture["settings"]
     config = harness.replay_config(s["algorithm"], data, tmp_path / "run", rounds=s["rounds"],
-                                   participation=s["participation"], local_epochs=s["local_epochs"], **overrides)
+                                   participation=s["participation"], local_epochs=s["local_epochs"],
+                                   algorithm_params=s.get("algorithm_params", {}), **overrides)
     assert {k: v for k, v in config.model_dump(mode="json").items() if k in s} == s  # the recorded settings
     return harness.FedltSide(config, getattr(torch, fixture["dtype"])).rounds()
 
@@ -43,7 +44,7 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-@pytest.mark.parametrize("method", ["fedgrab", "ditto"])
+@pytest.mark.parametrize("method", ["fedgrab", "ditto", "fedloge"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw

@@ -177,12 +177,14 @@ SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 
 def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
-    uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
+    uploaded weights, and Fed-GraB's SGB state, Ditto's personal model or FedLoGe's local head."""
     out = {"weights": result.weights}
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
     if method == "ditto":
         out["personal"] = result.state["personal"]
+    if method == "fedloge":
+        out["l_head"] = result.state["fedloge"]["l_head"]
     return out
 
 

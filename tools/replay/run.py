@@ -33,10 +33,11 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_sou
 
 import ditto  # noqa: E402
 import fedgrab  # noqa: E402
+import fedloge  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedloge": fedloge}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -72,7 +73,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     data = write_data(work / "data.npz")
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
     config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
-                           **epochs)
+                           **epochs, **getattr(adapter, "CONFIG", {}))
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
     authors = adapter.Authors(args.git, args.mode, initial, config)
@@ -104,7 +105,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         first["reason"] = getattr(adapter, "REASONS", {}).get(args.mode, {}).get(q, "not explained yet")
     settings = {k: v for k, v in config.model_dump(mode="json").items()
                 if k in ("clients", "participation", "rounds", "local_epochs", "batch_size", "optimiser", "drop_last",
-                         "partition", "seeds", "model", "algorithm")}
+                         "partition", "seeds", "model", "algorithm", "algorithm_params")}
     return {"method": args.method, "source": {"repo": adapter.REPO, "commit": adapter.COMMIT},
             "mode": args.mode, "dtype": args.dtype, "tolerance": tol, "settings": settings,
             "data": {"n_train": 240, "n_test": 100, "size": 8, "seed": 0}, "rounds": rows, "first_difference": first,
