@@ -119,7 +119,8 @@ class ETFHead(nn.Module):
             self.linear_proto = nn.Linear(in_features, proj_dim)
             a = torch.rand(proj_dim, num_classes, dtype=torch.float64)
         # fixed and rebuilt from the seed on every node: not in the state_dict, never aggregated
-        self.register_buffer("proto", simplex_etf(a).float(), persistent=False)
+        # float32 as theirs (Proto_Classifier casts P with .float()), held in the default dtype
+        self.register_buffer("proto", simplex_etf(a).float().to(torch.get_default_dtype()), persistent=False)
         self.scaling_train = nn.Parameter(torch.tensor(float(scale)))
 
     @property

@@ -134,27 +134,31 @@ class Authors:
         self.net.load_state_dict(self.ns["FedAvg_noniid"](w_locals, dict_len))
         self.g_aux = self.ns["FedAvg_noniid_classifier"]([results[c]["g_aux"] for c in participants], dict_len)
 
-    def accuracy(self, x: torch.Tensor, y: torch.Tensor, head: str, scale: float = 1.7) -> float:
-        """The global model's accuracy: the backbone with g_head (their ``globaltest``) or with g_aux
-        re-aligned to row norm ``scale`` (their ``globaltest_calibra``: W · 1.7/‖W_c‖); nan when not finite."""
-        classifier = self.g_head if head == "g_head" else self.g_aux
-        weight = classifier.weight if head == "g_head" else classifier.weight * (
-            scale / torch.norm(classifier.weight, dim=1)).view(-1, 1)
+    def classifier(self, head: str, scale: float = 1.7) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, bias) of the evaluated global head: ``g_head`` (their ``globaltest`` with g_head,
+        fedloge.py's default), ``g_aux_plain`` (``global_test_head = 'g_aux'``) or ``g_aux``
+        re-aligned to row norm ``scale`` (``globaltest_calibra``, util/update_baseline.py:1489-1502:
+        W · 1.7/‖W_c‖)."""
+        if head == "g_head":
+            return self.g_head.weight, self.g_head.bias
+        w = self.g_aux.weight
+        return (w if head == "g_aux_plain" else w * (scale / torch.norm(w, dim=1)).view(-1, 1)), self.g_aux.bias
+
+    def predictions(self, x: torch.Tensor, head: str) -> torch.Tensor | None:
+        """The global model's logits' argmax on ``x`` (None when a logit is not finite)."""
+        weight, bias = self.classifier(head)
         with torch.no_grad():
             self.net.eval()
-            logits = torch.cat([F.linear(self.net(x[i:i + 2048]), weight, classifier.bias)
-                                for i in range(0, len(x), 2048)])
+            logits = torch.cat([F.linear(self.net(x[i:i + 2048]), weight, bias) for i in range(0, len(x), 2048)])
             self.net.train()
-        if not bool(torch.isfinite(logits).all()):
-            return float("nan")
-        return float((logits.argmax(1) == y).double().mean())
+        return logits.argmax(1) if bool(torch.isfinite(logits).all()) else None
+
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor, head: str) -> float:
+        pred = self.predictions(x, head)
+        return float("nan") if pred is None else float((pred == y).double().mean())
 
     def per_class(self, x: torch.Tensor, y: torch.Tensor, head: str) -> list[float]:
-        """Per-class accuracy (for the few-shot split of the protocol's report)."""
-        classifier = self.g_head if head == "g_head" else self.g_aux
-        weight = classifier.weight if head == "g_head" else classifier.weight * (
-            1.7 / torch.norm(classifier.weight, dim=1)).view(-1, 1)
-        with torch.no_grad():
-            pred = torch.cat([F.linear(self.net(x[i:i + 2048]), weight, classifier.bias).argmax(1)
-                              for i in range(0, len(x), 2048)])
-        return [float((pred[y == c] == c).double().mean()) for c in range(int(y.max()) + 1)]
+        """Per-class accuracy (the protocol's many/medium/few split is read from it)."""
+        pred = self.predictions(x, head)
+        return [float("nan") if pred is None else float((pred[y == c] == c).double().mean())
+                for c in range(int(y.max()) + 1)]

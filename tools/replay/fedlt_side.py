@@ -154,11 +154,14 @@ class EpochLoader:
     ``for epoch: for x, y in loader``) is the next epoch of the minibatches fedlt's schedule drew."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
-        per = len(batches) // epochs
+        self.per = per = len(batches) // epochs
         self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
 
     def __iter__(self):
         return iter(self.epochs.pop(0))
+
+    def __len__(self) -> int:  # a DataLoader's len: the batches of an epoch
+        return self.per
 
 
 @contextlib.contextmanager

@@ -32,12 +32,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
 import ditto  # noqa: E402
+import fedetf  # noqa: E402
 import fedgrab  # noqa: E402
 import fedloge  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedloge": fedloge}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedloge": fedloge, "fedetf": fedetf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
