@@ -188,6 +188,8 @@ def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
         out["personal"] = result.state["personal"]
     if method == "fedloge":
         out["l_head"] = result.state["fedloge"]["l_head"]
+    if method == "fedlf":
+        out["centres"] = {"centres": result.extras["centres"]}
     return out
 
 

@@ -34,12 +34,16 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_sou
 import ditto  # noqa: E402
 import fedetf  # noqa: E402
 import fedgrab  # noqa: E402
+import fedlf  # noqa: E402
 import fedloge  # noqa: E402
 from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
                         write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedloge": fedloge, "fedetf": fedetf}
+ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto, "fedloge": fedloge, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+# BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
+# with BatchNorm's momentum set they do not enter any computation
+COUNTER = "num_batches_tracked"
 
 
 def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
@@ -51,7 +55,10 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
                              + abs(len(gates) - len(theirs["gates"])))
     for group, tensors in quantities(method, ours).items():
-        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors)
+        judged = [k for k in tensors if not k.endswith(COUNTER)]
+        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in judged)
+        if len(judged) < len(tensors):
+            out["counters"] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors if k not in judged)
     if theirs.get("loss") is not None:
         out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
     return out
@@ -89,11 +96,14 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             diffs = compare_client(args.method, rec.results[cid], theirs[cid], rec.gates.get(cid, []))
             for name, value in diffs.items():
                 worst[name] = max(worst.get(name, 0.0), value)
-                if first is None and (value > tol if name != "gates" else value > 0):
+                if first is None and name != "counters" and (value > tol if name != "gates" else value > 0):
                     first = {"round": rec.round + 1, "client": cid, "quantity": name, "difference": value}
         authors.aggregate(rec.participants, theirs, {c: len(side.client(c)) for c in rec.participants})
         glob = authors.model.state_dict()
-        worst["global"] = max(relative_difference(rec.global_weights[k], glob[k]) for k in glob)
+        worst["global"] = max(relative_difference(rec.global_weights[k], glob[k]) for k in glob if not k.endswith(COUNTER))
+        if any(k.endswith(COUNTER) for k in glob):
+            worst["counters"] = max(worst.get("counters", 0.0), *(relative_difference(rec.global_weights[k], glob[k])
+                                                                   for k in glob if k.endswith(COUNTER)))
         if first is None and worst["global"] > tol:
             first = {"round": rec.round + 1, "client": None, "quantity": "global", "difference": worst["global"]}
         rows.append({"round": rec.round + 1, "participants": rec.participants, **worst})
@@ -133,6 +143,8 @@ def main() -> None:
     for row in out["rounds"]:
         print(f"{row['round']:>5}  {str(row['participants']):>12}  " + "  ".join(f"{row[n]:9.2e}" for n in names))
     first = out["first_difference"]
+    if "counters" in out["rounds"][-1]:
+        print(f"counters (not judged): {getattr(ADAPTERS[args.method], 'COUNTERS', '')}")
     if first is None:
         print(f"agreement: every quantity within {out['tolerance']:g} relative over {len(out['rounds'])} rounds")
     else:
