@@ -27,10 +27,9 @@ nodes.py:27-35): both sides train on the client's whole partition.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from authors_code import load as load_definitions
-from fedlt_side import EpochLoader
+from fedlt_side import EpochLoader, cuda_as_cpu
 from golden_source import definitions, source
 
 REPO = "github.com/ZexiLee/ICCV-2023-FedETF"
@@ -70,17 +69,6 @@ def load(git_dir: str) -> dict[str, Any]:
     load_definitions(git_dir, COMMIT, "server_funct.py", ["fedavg"], ns)
     ns.update(definitions(source(git_dir, COMMIT, "nodes.py"), ["Node.generate_sample_per_class"], ns))
     return ns
-
-
-@contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """Their ``.cuda()`` calls, made no-ops (the replay runs on the CPU)."""
-    cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = cuda
 
 
 class ETFNet(nn.Module):
@@ -118,6 +106,7 @@ class Authors:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns, self.mode = load(git_dir), mode
+        cuda_as_cpu()  # their client_fedetf calls .cuda()
         self.central = ETFNet(initial)
         self.args = SimpleNamespace(client_method="fedetf", optimizer="sgd", lr=config.optimiser.lr,
                                     momentum=config.optimiser.momentum, local_wd_rate=config.optimiser.weight_decay)
@@ -145,8 +134,7 @@ class Authors:
         if self.mode == "matched":
             me.optimizer = self.ns["init_optimizer"](cid, me.model, self.args)
         me.local_data = EpochLoader(x, y, batches, self.epochs)
-        with offline():
-            losses = [self.ns["client_fedetf"](self.args, me) for _ in range(self.epochs)]  # client_funct.py:52-56
+        losses = [self.ns["client_fedetf"](self.args, me) for _ in range(self.epochs)]  # client_funct.py:52-56
         return {"weights": me.model.fedlt_state(), "loss": sum(losses) / len(losses),
                 "state": copy.deepcopy(me.model.state_dict())}
 
