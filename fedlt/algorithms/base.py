@@ -235,6 +235,10 @@ class RunContext:
     precision: str = "fp32"  # "fp32" or "bf16" (docs/gpu.md)
     cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
     drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
+    # training images only the server holds, taken out before partitioning (an algorithm's
+    # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none, and in a
+    # process that runs only client work (a worker, a Flower node)
+    server_data: ClientData | None = None
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:

@@ -460,6 +460,8 @@ class CohortRunner:
     def reason(self, algorithm: Any, tasks: Sequence[ClientTask]) -> str | None:
         if any(t.fault for t in tasks):
             return "a participant has an injected fault (run one by one)"
+        if any(t.upload is not None and t.upload.sample_level is not None for t in tasks):
+            return SAMPLE_LEVEL
         model = getattr(algorithm, "_work", None)
         if model is None:
             return f"{type(algorithm).__name__} has no work module"
@@ -493,12 +495,18 @@ class CohortRunner:
         return self.transport.each(job, algorithm, tasks)
 
 
-def cohort_fallback(runner: Any, algorithm: Any, size: int) -> str | None:
+SAMPLE_LEVEL = ("sample-level DP vmaps each client's step over its samples (per-sample gradients), "
+                "which the cohort's vmap over clients does not nest")
+
+
+def cohort_fallback(runner: Any, algorithm: Any, size: int, sample_level: bool = False) -> str | None:
     """Why a run asking for cohorts of ``size`` trains its clients one at a time, as known before
     its first round (the algorithm, the model, the engine); None when the cohort runs (or none
     was asked). A round can still fall back on its own (an injected fault): ``first_fallback``."""
     if size <= 1:
         return None
+    if sample_level:
+        return SAMPLE_LEVEL
     if not isinstance(runner, CohortRunner):
         return f"{type(runner).__name__} runs each client on its own (workers > 1 or Flower)"
     return runner.reason(algorithm, [])

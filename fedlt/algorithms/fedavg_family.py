@@ -26,6 +26,8 @@ from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, N
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
 from fedlt.models import classifier, eval_mode
+from fedlt.errors import FedltError
+from fedlt.privacy.dpsgd import PrivateStep, noise_generator, poisson_batches, stateful_terms, steps_per_round
 from fedlt.spec import Params
 
 
@@ -144,9 +146,10 @@ class ClientUpdate:
         generator = self.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
+        private = private_step(task, objective)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
-        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device)):
+        for x, y in task.data.batches(index_batches(task, generator, private)):
             x = augment(x).contiguous(memory_format=layout) if x.dim() == 4 else augment(x)
             extra: dict[str, Any] = {}
             optimiser.zero_grad(set_to_none=True)
@@ -155,11 +158,13 @@ class ClientUpdate:
                     extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
                 if objective.needs_params:
                     extra["params"] = params
-                step_parts = self.backward(local, model, params, objective, x, y, extra)
+                step_parts = (self.backward(local, model, params, objective, x, y, extra) if private is None
+                              else private.parts(model, params, objective, x, y, extra))
             for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
             self.correct(local, params)
-            task.schedule.clip_(params)
+            if private is None:  # DP-SGD's per-sample clip bounds the step instead
+                task.schedule.clip_(params)
             optimiser.step()
             self.stepped(local, model, x, y, steps)
             steps += 1
@@ -220,11 +225,37 @@ class ClientUpdate:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:
+    """DP-SGD's step when the task's plan asks for sample-level DP (fedlt.privacy.dpsgd), else None;
+    the objective then runs its reference (not fused) form, which ``vmap`` takes."""
+    dp = task.upload.sample_level if task.upload is not None else None
+    if dp is None:
+        return None
+    stateful = stateful_terms(objective)
+    if stateful:
+        raise FedltError(f"privacy: sample_level (DP-SGD) cannot run loss {task.objective!r}: its term(s) "
+                         f"{', '.join(stateful)} keep state across steps, which per-sample gradients would move once "
+                         "per sample")
+    objective.fused = "off"
+    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device
+                                if isinstance(task.data.x, torch.Tensor) else torch.device("cpu"))
+    return PrivateStep(float(dp[0]), float(dp[1]), min(task.schedule.batch, len(task.data)), generator)
+
+
+def index_batches(task: ClientTask, generator: torch.Generator, private: PrivateStep | None):
+    """The round's minibatch indices: the schedule's, or under DP-SGD as many Poisson-sampled ones."""
+    s, n = task.schedule, len(task.data)
+    if private is None:
+        return s.batches(n, generator, task.data.index_device)
+    return poisson_batches(n, private.batch, steps_per_round(s.batch, n, s.iters, s.epochs, s.drop_last), generator,
+                           task.data.index_device)
+
+
 def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:
     """The round's mean loss (the parts summed per step), after one finiteness check of every
     part at every step (one host synchronisation); a non-finite one is named: the objective by
     its expression, a variant's term by its own name."""
-    if not steps:
+    if not steps or not parts:  # no step, or DP-SGD's Poisson batches all empty
         return 0.0
     names = list(parts)
     table = torch.stack([torch.stack(parts[n]) for n in names])  # parts × steps

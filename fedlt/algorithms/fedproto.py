@@ -125,8 +125,9 @@ class ProtoUpdate(PartsUpdate):
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         own = set(bank_keys(model))
         kept = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in own}
-        extras = {"prototypes": class_means(local["sums"], local["counts"]).float(),
-                  "present": (local["counts"] > 0).float()}
+        like = local["prototypes"].dtype  # the model's: a float64 run's prototypes are not rounded to float32
+        extras = {"prototypes": class_means(local["sums"], local["counts"]).to(like),
+                  "present": (local["counts"] > 0).to(like)}
         return {PERSONAL: kept, "class_counts": task.data.class_counts.detach().clone()}, extras
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -104,6 +104,7 @@ class StepUpdate(ClientUpdate):
     when the task asks only for them (``collect``)."""
 
     step: dict[str, Any] = field(default_factory=dict)
+    trains_in_the_loop: ClassVar[bool] = True  # its training is ClientUpdate.__call__ (DP-SGD applies)
 
     def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
         if not task.payload.get("collect"):
