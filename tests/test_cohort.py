@@ -114,4 +114,4 @@ def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, 
 def test_phases_continue_each_clients_random_stream():
     """FedRep's and Ditto's second phase draws its augmentation where the first phase's stream
     stopped (as the sequential round, one stream for both phases): a cohort that restarted it fails."""
-    check_cohort("ditto", augment="hflip", clients=3, size=3, train_limit=150)
+    check_cohort("ditto", augment="hflip", clients=2, size=2, train_limit=60)
