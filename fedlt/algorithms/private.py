@@ -12,11 +12,12 @@ from fedlt.algorithms.cohort import client_variant
 from fedlt.algorithms.fedavg_family import ClientUpdate, Federated
 from fedlt.errors import FedltError
 
-# hooks whose override changes what a step computes from the data (a second forward, a two-pass
-# step, work around the loop, a second model trained on the same batch); the others (``correct``,
-# ``begin``, ``end``, ``upload``, ``generator``) act on the privatised gradient or the trained
-# weights: post-processing
-DATA_HOOKS = ("__call__", "parts", "backward", "stepped")
+# hooks whose override changes what a step computes from the data (a term beside the objective:
+# MOON's, FedLF's, FedRoD's, read from the batch's forward; a two-pass step; work around the loop;
+# a second model trained on the same batch); the others (``correct``, ``begin``, ``end``,
+# ``upload``, ``start``, ``frozen_keys``, ``generator``) act on the privatised gradient, the trained
+# weights or which of them train: post-processing
+DATA_HOOKS = ("__call__", "loop", "parts", "terms", "backward", "stepped")
 
 
 def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:
