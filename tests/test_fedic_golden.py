@@ -193,3 +193,22 @@ def test_a_proxy_set_larger_than_a_class_is_one_line_and_exit_2(tmp_path, capsys
     assert [line for line in err if not line.startswith("note:")] == [err[-1]]
     assert "fedic's proxy_per_class + unlabeled_per_class: holding 100 images of each class" in err[-1]
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_client_weights_stay_finite_where_theirs_divide_zero_by_zero():
+    """σ(v_k)/Σ_j σ(v_j) (theirs, main.py:38-46) as a softmax of log σ: equal in float64 where theirs
+    is finite, finite in float32 where every client's σ underflows (their 0/0; a study's round 20)."""
+    from fedlt.algorithms.fedic import CalibratedEnsemble
+
+    calibration = CalibratedEnsemble(3, 2).double()
+    feats, logits, fallback = torch.randn(4, 5, 2).double(), torch.randn(4, 5, 3).double() * 3, torch.zeros(5, 3).double()
+    with torch.no_grad():
+        calibration.gate.weight.fill_(50.0)  # the gate open: the ensemble alone
+        feats = feats.abs() + 1
+        sig = torch.sigmoid(logits @ calibration.client_scale + calibration.client_bias)
+        theirs = (sig / sig.sum(0) * logits).sum(0) * calibration.class_scale + calibration.class_bias
+        assert torch.allclose(calibration(feats, logits, fallback), theirs, atol=1e-12)
+        low = CalibratedEnsemble(3, 2)
+        low.client_bias.fill_(-200.0)  # v < −88 for every client: σ = 0 in float32
+        out = low(feats.float(), logits.float(), fallback.float())
+    assert torch.isfinite(out).all()

@@ -50,6 +50,7 @@ def client_variant(algorithm: Any) -> ClientUpdate | None:
     """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
     when its client work is something else."""
     fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    fn = getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
@@ -107,7 +108,10 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     update = client_variant(algorithm)
     if update is None:
         return f"{type(algorithm).__name__}'s client work is not a ClientUpdate loop"
-    loops = update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
+    phased = type(update).__call__ is PhasedUpdate.__call__
+    loops = update.loops() if phased else [update]
+    if phased and any(type(u).without_loop is not ClientUpdate.without_loop for u in loops):
+        return f"{type(update).__name__} has a phase that may answer without training (without_loop)"
     reason = next((r for r in map(_loop_reason, loops) if r), None)
     if reason:
         return reason
@@ -248,9 +252,11 @@ class Cohort:
         self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
         trainable = set(self.names)
-        # frozen parameters and buffers: the same for every step, stacked once
+        # frozen parameters and buffers: the same for every step, stacked once (a non-persistent
+        # buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
         self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
-                      for n, _ in [*model.named_parameters(), *model.named_buffers()] if n not in trainable}
+                      for n, _ in [*model.named_parameters(), *model.named_buffers()]
+                      if n not in trainable and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
@@ -348,7 +354,8 @@ class Cohort:
         if self.schedule.clip is None:
             return
         present = [g for g in grads if g is not None]
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in present], 1)
+        # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
         coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
@@ -387,11 +394,23 @@ class Cohort:
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 
+def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+    """Each task the update answers without training (``without_loop``, in the client's stream
+    as sequentially), the others trained as one :class:`Cohort`; in the order of ``tasks``."""
+    answered = []
+    for task in tasks:
+        with client_rng(task):
+            answered.append(update.without_loop(task, model))
+    rest = [t for t, a in zip(tasks, answered) if a is None]
+    trained = iter(Cohort(update, rest, model).run() if rest else [])
+    return [a if a is not None else next(trained) for a in answered]
+
+
 def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
     """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
     cohort per phase, each client's random stream carried from phase to phase."""
     if not isinstance(update, PhasedUpdate):
-        return Cohort(update, tasks, model).run()
+        return _answered_or_trained(update, tasks, model)
     done: list[list[ClientResult]] = [[] for _ in tasks]
     streams = None
     while True:

@@ -91,7 +91,8 @@ class ClientUpdate:
     extra term), so every variant shares this one loop.
 
     Calling it is ``client_update(task, model)``. The hooks, in the order the loop calls them:
-    ``build`` (the work module when none is given), ``start`` (the task the loop trains: the
+    ``build`` (the work module when none is given), ``without_loop`` (a task answered without
+    training), ``start`` (the task the loop trains: the
     received one, or with the client's own part in place, as a personalised method keeps it),
     ``frozen_keys`` (parameters kept out of training for the round), ``begin`` (once: what this round's variant needs, returned as ``local``), per step
     ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
@@ -107,8 +108,16 @@ class ClientUpdate:
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         model = self.build(task) if model is None else model
+        answered = self.without_loop(task, model)
+        if answered is not None:
+            return answered
         with frozen(model, self.frozen_keys(model)):
             return self.loop(self.start(task), model)
+
+    def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
+        """A task answered without local training (None, the default: train): CCVR's and
+        CReFF's statistics-only tasks."""
+        return None
 
     def build(self, task: ClientTask) -> nn.Module:
         """A work module of the round's architecture on the data's device."""

@@ -67,8 +67,10 @@ class CalibratedEnsemble(nn.Module):
 
     def forward(self, features: torch.Tensor, logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
         """``features`` K×B×d and ``logits`` K×B×C of the K client models, ``fallback`` B×C."""
-        weights = torch.sigmoid(logits @ self.client_scale + self.client_bias)  # K×B×1
-        ensemble = (weights / weights.sum(0, keepdim=True) * logits).sum(0)
+        # σ(v_k) / Σ_j σ(v_j) as a softmax over the clients of log σ(v): theirs divides the sigmoids,
+        # which is 0/0 once every client's σ underflows (v < −88 in float32: an MLP's logits on MNIST)
+        weights = torch.softmax(F.logsigmoid(logits @ self.client_scale + self.client_bias), dim=0)  # K×B×1
+        ensemble = (weights * logits).sum(0)
         calibrated = ensemble * self.class_scale + self.class_bias
         gate = torch.sigmoid(self.gate(features.mean(0)))  # theirs: Σ_k h_k / 8, their 8 clients a round
         return gate * calibrated + (1 - gate) * fallback

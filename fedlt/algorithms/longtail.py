@@ -66,6 +66,11 @@ class WithHead:
     head: dict[str, Any]
     aux: bool = False
 
+    @property
+    def given_module(self) -> Any:
+        """What runs when the work module is given (a cohort's case): the wrapped update."""
+        return self.update
+
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         if model is None:
             model = heads.attach(task.context.model.build(), self.head)

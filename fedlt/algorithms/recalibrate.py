@@ -106,11 +106,9 @@ class StepUpdate(ClientUpdate):
     step: dict[str, Any] = field(default_factory=dict)
     trains_in_the_loop: ClassVar[bool] = True  # its training is ClientUpdate.__call__ (DP-SGD applies)
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+    def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
         if not task.payload.get("collect"):
-            return super().__call__(task, model)
-        if model is None:
-            model = task.context.model.build().to(task.data.x.device)
+            return None
         model.load_state_dict(task.weights)
         stats = collect(build_step(self.step), task, model)
         return ClientResult(task.cid, {}, len(task.data), 0, 0.0, task.state, extras={KEY: stats})

@@ -33,8 +33,9 @@ from torch import nn
 
 from fedlt.algorithms import preset, register
 from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, upcast
-from fedlt.algorithms.fedavg_family import (ClientUpdate, FedAvgFamily, StepForward, Strategy, features_of,  # noqa: F401
-                                            trainable_names)  # (features_of re-exported: its users import it from here)
+# features_of is re-exported: its users import it from here
+from fedlt.algorithms.fedavg_family import (ClientUpdate, FedAvgFamily, StepForward, Strategy,  # noqa: F401
+                                            features_of, trainable_names)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State
 from fedlt.context import RoundContext
 

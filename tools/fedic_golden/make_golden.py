@@ -28,6 +28,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,6 +85,18 @@ class Pairs:
         return len(self.y)
 
 
+def namespace(model: Any, data_loader: Any) -> dict[str, Any]:
+    """What their main.py imports, for its definitions executed verbatim: ``model`` stands in for
+    their ``ResNet_cifar_feature`` and ``data_loader`` for ``DataLoader``; ``tqdm`` the plain iterable.
+    (The replay adapter, tools/replay/fedic.py, uses it too.)"""
+    return {"nn": nn, "torch": torch, "copy": copy, "np": np, "F": F, "tqdm": lambda it, **kw: it,
+            "ResNet_cifar_feature": model, "Adam": Adam, "SGD": SGD, "CrossEntropyLoss": CrossEntropyLoss,
+            "softmax": F.softmax, "log_softmax": F.log_softmax, "DataLoader": data_loader,
+            **{name: getattr(torch, name) for name in  # their main.py's ``from torch import ...``
+               ("stack", "div", "max", "eq", "no_grad", "tensor", "add", "mul", "ones", "zeros", "ones_like", "sigmoid",
+                "cat")}}
+
+
 def rounded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float entries rounded to 4 decimals (a short, exact fixture); BatchNorm's variances kept positive."""
     return {k: (v.double().mul(1e4).round().div(1e4).abs().clamp(min=0.05) if k.endswith("running_var") else
@@ -93,12 +106,7 @@ def rounded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def main(git_dir: str, out: Path) -> None:
     commit = head_commit(git_dir)
     torch.set_default_dtype(torch.float64)
-    ns = {"nn": nn, "torch": torch, "copy": copy, "np": np, "F": F, "tqdm": lambda it, **kw: it,
-          "ResNet_cifar_feature": lambda **kwargs: Net(), "Adam": Adam, "SGD": SGD, "CrossEntropyLoss": CrossEntropyLoss,
-          "softmax": F.softmax, "log_softmax": F.log_softmax, "DataLoader": DataLoader,
-          **{name: getattr(torch, name) for name in  # their main.py's ``from torch import ...``
-             ("stack", "div", "max", "eq", "no_grad", "tensor", "add", "mul", "ones", "zeros", "ones_like", "sigmoid",
-              "cat")}}
+    ns = namespace(lambda **kwargs: Net(), DataLoader)
     Global = load(git_dir, commit, "main.py", ["Ensemble_highway", "Global"], ns)["Global"]
 
     g = torch.Generator().manual_seed(11)
