@@ -25,9 +25,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 dp_accounting = pytest.importorskip("dp_accounting")
 
 
+class _Scaled(nn.Module):
+    """An MLP times a learned scalar: a 0-dim parameter among the per-sample gradients (FedETF's β)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.body(x)
+
+
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    return _Scaled()
 
 
 def test_per_sample_clipping_is_exact_against_a_float64_loop():
