@@ -37,6 +37,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 import fedlt.augment
+from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, client_generator, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
@@ -192,6 +193,8 @@ class Cohort:
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
+        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled)
+        self.vmapped = vmap(self._forward) if self.schedule.compile is None else compiled.vmapped(model, self.schedule.compile)
 
     def run(self) -> list[ClientResult]:
         while True:
@@ -223,7 +226,7 @@ class Cohort:
         x = torch.stack([x for _, x, _ in group])
         device = x.device
         with forward_precision(self.schedule.precision, device):
-            logits = upcast(vmap(self._forward)(dict(zip(self.names, leaves)) | fixed, x))
+            logits = upcast(self.vmapped(dict(zip(self.names, leaves)) | fixed, x))
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
             total = []
             for j, (k, _, y) in enumerate(group):

@@ -27,6 +27,7 @@ import fedlt.client_tests
 import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
+from fedlt.algorithms import compiled
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
@@ -149,6 +150,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
         drop_last=config.drop_last,  # issue 41
+        compile=compiled.BACKEND if config.compile else None,  # issue 43 (docs/gpu.md#compiled-steps)
     )
 
 
