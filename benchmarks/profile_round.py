@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cohort", type=int, default=1, help="with --time: the run's --cohort")
     args = parser.parse_args(argv)
     if args.time:
-        return time_rounds(args.task, args.device, args.threads, args.small, args.time,
-                           ({"compile": True} if args.compile else {}) | ({"cohort": args.cohort} if args.cohort > 1 else {}))
+        extra = ({"compile": True} if args.compile else {}) | ({"cohort": args.cohort} if args.cohort > 1 else {})
+        return time_rounds(args.task, args.device, args.threads, args.small, args.time, extra)
     return profile(args.task, args.device, args.threads, args.small, args.out, args.name)
 
 
@@ -258,9 +258,18 @@ def time_rounds(task: str, device: str, threads: int | None, small: bool, rounds
     wall = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
     result = {"fedlt": str(Path(fedlt.__file__).parent), "task": task, "settings": extra or {},
               "warmup_cpu_s": cpu[0], "warmup_wall_s": wall[0], "compile_s": compile_seconds(),
+              "children_cpu_s": children_cpu(),
               "cpu_s": cpu[1:], "wall_s": wall[1:], "compile_fallback": summary.get("compile_fallback")}
     print(json.dumps(result))
     return result
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished child processes (inductor's C++ compiler runs)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def compile_seconds() -> float:

@@ -14,7 +14,7 @@ from torch import nn
 
 import fedlt.algorithms
 from fedlt.algorithms import compiled
-from fedlt.algorithms.fedavg_family import compile_reason
+from fedlt.algorithms.fedavg_family import compile_notice, compile_reason
 from fedlt.testing.compiled import check_compile
 
 import cheap
@@ -49,6 +49,11 @@ def test_what_is_left_eager_says_why():
     assert "overrides ClientUpdate.parts" in compile_reason(fedlt.algorithms.create("moon"))
     assert "overrides ClientUpdate.backward" in compile_reason(fedlt.algorithms.create("fedsam"))
     assert "split learning" in compile_reason(fedlt.algorithms.create("scala"))
+    fedavg = fedlt.algorithms.create("fedavg")  # what a run with --compile starts by saying
+    assert "measured slower than eager" in compile_notice(fedavg, torch.device("cpu"))
+    assert "compiled on cuda" in compile_notice(fedavg, torch.device("cuda"))
+    assert compile_notice(fedlt.algorithms.create("moon"), torch.device("cuda")).startswith(
+        "fedlt: --compile leaves the local steps eager: MoonUpdate overrides")
 
 
 def test_a_model_that_does_not_compile_runs_eagerly_and_says_why(caplog):

@@ -114,7 +114,7 @@ class LocalSchedule:
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
     precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
     drop_last: bool = False  # epochs: leave out each epoch's last partial batch (config drop_last)
-    compile: str | None = None  # the torch.compile backend of the step's forward (fedlt.algorithms.compiled); None: eager
+    compile: str | None = None  # the step forward's torch.compile backend (fedlt.algorithms.compiled); None: eager
 
     def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
         """The index batches, drawn on the host from ``generator`` (the same on every device);

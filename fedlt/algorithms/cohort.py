@@ -194,7 +194,8 @@ class Cohort:
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
         # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled)
-        self.vmapped = vmap(self._forward) if self.schedule.compile is None else compiled.vmapped(model, self.schedule.compile)
+        backend = self.schedule.compile
+        self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
 
     def run(self) -> list[ClientResult]:
         while True:

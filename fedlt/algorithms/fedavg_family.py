@@ -167,6 +167,18 @@ def compile_reason(algorithm: Any) -> str | None:
     return _update_reason(fn, type(algorithm).__name__) or compiled.unavailable()
 
 
+def compile_notice(algorithm: Any, device: torch.device) -> str:
+    """The line a run with ``--compile`` starts with: why its steps stay eager, or what compiling
+    them costs on ``device`` (on the CPU it was measured slower than eager: docs/benchmarks.md)."""
+    reason = compile_reason(algorithm)
+    if reason is not None:
+        return f"fedlt: --compile leaves the local steps eager: {reason}"
+    if device.type == "cpu":
+        return ("fedlt: --compile on the CPU: the first round compiles (tens of seconds) and the rounds after it "
+                "were measured slower than eager (PFLlib's CNN, docs/benchmarks.md); it is meant for CUDA")
+    return f"fedlt: --compile: the local steps' forward and backward compiled on {device} (the first round compiles)"
+
+
 def _update_reason(update: Any, owner: str) -> str | None:
     """``step_reason`` of a ``ClientUpdate`` variant and of the variants it runs inside (a wrapper's
     fields: FedLoGe's head around its update, FedReLa's relabelling around that)."""

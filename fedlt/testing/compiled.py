@@ -21,19 +21,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import fedlt.algorithms
 from fedlt.algorithms import compiled
-from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.cohort import CohortRunner
 from fedlt.algorithms.fedavg_family import compile_reason
-from fedlt.algorithms.protocol import ClientStates, LocalRunner
+from fedlt.algorithms.protocol import LocalRunner
 from fedlt.config import RunConfig
-from fedlt.engine import prepare, train_round
+from fedlt.engine import prepare
 from fedlt.testing.algorithms import TINY
 from fedlt.testing.base import Contract, registered
-from fedlt.testing.cohort import SCHEDULES, largest_gap
+from fedlt.testing.cohort import SCHEDULES, largest_gap, two_rounds
 
 # inductor fuses the forward's and backward's elementwise work into loops of its own (a bias add
 # with its ReLU, a reduction in another order): float32 rounding, not arithmetic, differs;
@@ -47,14 +44,7 @@ def _rounds(config: RunConfig, runner: Any, backend: str | None) -> tuple[Any, A
     (server state, client states, metrics) and the work module (its compiled steps, if any)."""
     prep = prepare(config)
     prep.ctx.compile = backend
-    states, metrics = ClientStates(), []
-    for r in range(2):
-        clients = []
-        for cid in range(r, config.clients):
-            idx = torch.as_tensor(prep.partition.client_indices[cid], dtype=torch.long)
-            clients.append(ClientData(cid, prep.data.x_train[idx], prep.data.y_train[idx], prep.counts[cid]))
-        metrics.append(train_round(prep.algorithm, prep.ctx, r, clients, states, runner))
-    return (prep.algorithm.state_dict(), states.state_dict(), metrics), getattr(prep.algorithm, "_work", None)
+    return two_rounds(prep, config, runner), getattr(prep.algorithm, "_work", None)
 
 
 def check_compile(algorithm: Any, params: dict[str, Any] | None = None, *, backend: str = compiled.BACKEND,
