@@ -252,10 +252,13 @@ def run(
                                          "'clip(norm=1.0) + topk(fraction=0.01, error_feedback=true)' (none: off; "
                                          "fedlt list transforms; docs/transforms.md)"),
     privacy: Optional[str] = typer.Option(None, "--privacy", help="differential privacy: 'client_level(clip=1.0, "
-                                          "noise_multiplier=1.1)' or 'local(...)' (none: off; docs/privacy.md)"),
+                                          "noise_multiplier=1.1)', 'local(...)' or 'sample_level(clip=1.0, "
+                                          "noise_multiplier=1.0)' (DP-SGD; none: off; docs/privacy.md)"),
     delta: Optional[float] = typer.Option(None, "--delta", help="δ of the reported ε (default K^-1.1)"),
     target_epsilon: Optional[float] = typer.Option(None, "--target-epsilon", help="calibrate the noise multiplier "
                                                    "so that ε after all rounds is at most this"),
+    stop_at_epsilon: Optional[float] = typer.Option(None, "--stop-at-epsilon", help="stop before the round whose ε "
+                                                    "would exceed this budget (docs/privacy.md)"),
     secure_aggregation: Optional[bool] = typer.Option(None, "--secure-aggregation/--no-secure-aggregation",
                                                       help="pairwise masked uploads: the server reads only their sum "
                                                            "(docs/privacy.md)"),
@@ -288,7 +291,8 @@ def run(
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort, compile=compile_,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, threads=threads,
                    out=resume or out, drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
-                   target_epsilon=target_epsilon, secure_aggregation=secure_aggregation)
+                   target_epsilon=target_epsilon, stop_at_epsilon=stop_at_epsilon,
+                   secure_aggregation=secure_aggregation)
     overrides.update({k: str(v) if isinstance(v, Path) else v for k, v in scalars.items() if v is not None})
     if posthoc:
         overrides["posthoc"] = list(posthoc)

@@ -237,7 +237,8 @@ class RunConfig(Strict):
                                          "error_feedback=true)' (fedlt list transforms)")
     privacy: dict[str, Any] | None = Field(None, description="differential privacy: "
                                            "'client_level(clip=1.0, noise_multiplier=1.1)' (central noise at the "
-                                           "server) or 'local(clip=..., noise_multiplier=...)' (docs/privacy.md)")
+                                           "server), 'local(clip=..., noise_multiplier=...)' or 'sample_level(clip=..., "
+                                           "noise_multiplier=...)' (DP-SGD; docs/privacy.md)")
     delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False,
                                 description="δ of the reported ε (default K^-1.1 for K clients)")
     target_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
@@ -245,6 +246,15 @@ class RunConfig(Strict):
                                                      "at most this (dp-accounting)")
     secure_aggregation: bool = Field(False, description="pairwise additive masking of the uploads (Bonawitz et al. "
                                      "2017): the server reads only their sum")
+    stop_at_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                          description="the privacy budget: the run stops before the round whose ε "
+                                                      "would exceed it (docs/privacy.md)")
+
+    @model_validator(mode="after")
+    def _budget_needs_a_mechanism(self) -> "RunConfig":
+        if self.stop_at_epsilon is not None and self.privacy is None:
+            raise ValueError("stop_at_epsilon: needs a --privacy mechanism (client_level, local or sample_level)")
+        return self
 
     @model_validator(mode="after")
     def _secure_aggregation_engine(self) -> "RunConfig":

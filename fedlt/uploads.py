@@ -35,7 +35,11 @@ import torch
 from fedlt import wire
 from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, travelling
 from fedlt.errors import FedltError
-from fedlt.privacy import Accountant, ClientLevel, Mechanism, calibrate, default_delta, mechanism
+from fedlt.algorithms.base import proportional_batches
+from fedlt.privacy import (Accountant, ClientLevel, Mechanism, Plan, SampleAccountant, calibrate,
+                           calibrate_sample_level, default_delta, mechanism)
+from fedlt.privacy import epsilon as epsilon_after
+from fedlt.privacy.dpsgd import steps_per_round
 from fedlt.privacy.upload import UploadPlan, masked_sum, open_upload
 
 
@@ -55,7 +59,8 @@ def stateless(message: Any) -> Any:
 @dataclasses.dataclass
 class UploadSettings:
     """What the run asked for: the ``--upload`` chain, the DP mechanism, secure aggregation, and
-    what the accountant needs (clients K, participants per round m = round(qK), rounds, δ)."""
+    what the accountant needs (clients K, participants per round m = round(qK), rounds, δ; for
+    sample-level DP the clients' sizes and the local schedule: b_k and the steps of a round)."""
 
     transforms: tuple = ()
     privacy: dict[str, Any] | None = None
@@ -66,12 +71,18 @@ class UploadSettings:
     delta: float | None = None
     target_epsilon: float | None = None
     sampling_seed: int = 0
+    sizes: tuple[int, ...] = ()  # |D_k| of every training client (sample-level DP)
+    schedule: LocalPlan | None = None
+    stop_at_epsilon: float | None = None
 
     @classmethod
-    def of(cls, config: Any) -> "UploadSettings":
+    def of(cls, config: Any, sizes: Sequence[int] = ()) -> "UploadSettings":
         per_round = max(int(round(config.participation * config.clients)), 1)
+        plan = LocalPlan(config.server_batch, config.local_iters, config.local_epochs, config.batch_size,
+                         config.drop_last)
         return cls(tuple(config.upload), config.privacy, config.secure_aggregation, config.clients, per_round,
-                   config.rounds, config.delta, config.target_epsilon, config.seeds.sampling)
+                   config.rounds, config.delta, config.target_epsilon, config.seeds.sampling,
+                   tuple(int(n) for n in sizes), plan, getattr(config, "stop_at_epsilon", None))
 
     def mechanism(self) -> Mechanism | None:
         """The DP mechanism, its σ calibrated to ``target_epsilon`` over the run's rounds if asked."""
@@ -79,14 +90,61 @@ class UploadSettings:
             return None
         mech = mechanism(self.privacy)
         if self.target_epsilon is not None:
-            sigma = (calibrate(self.target_epsilon, self.run_delta, self.rounds, self.clients, self.per_round)
-                     if mech.central else calibrate(self.target_epsilon, self.run_delta, self.rounds, 1, 1))
+            if mech.level == "sample":
+                sigma = calibrate_sample_level(self.target_epsilon, self.run_delta, self.worst_case_plans())
+            elif mech.central:
+                sigma = calibrate(self.target_epsilon, self.run_delta, self.rounds, self.clients, self.per_round)
+            else:
+                sigma = calibrate(self.target_epsilon, self.run_delta, self.rounds, 1, 1)
             mech = mech.model_copy(update={"noise_multiplier": sigma})
         return mech
 
+    def worst_case_plans(self) -> list[tuple[int, int, int]]:
+        """(n_k, the largest b_k, steps over the run) of every client sampled in every round: under
+        iteration-based training b_k = ⌊n_k·B/Σ_j n_j⌋ is largest beside the m − 1 smallest others."""
+        if not self.sizes or self.schedule is None:
+            raise FedltError("privacy: sample-level calibration needs the clients' sizes (fedlt.uploads.UploadSettings.of)")
+        smallest = sorted(self.sizes)
+        out = []
+        for n in self.sizes:
+            others = list(smallest)
+            others.remove(n)
+            batch = self.schedule.batch(n, n + sum(others[:self.per_round - 1]))
+            out.append((n, min(batch, n), self.rounds * self.schedule.steps(batch, n)))
+        return out
+
+    def planned(self, participants: Sequence[int]) -> list[Plan]:
+        """(cid, n_k, b_k, steps) of these participants' local training in one round, as the schedule plans it."""
+        total = sum(self.sizes[c] for c in participants)
+        return [(c, self.sizes[c], b := self.schedule.batch(self.sizes[c], total),
+                 self.schedule.steps(b, self.sizes[c])) for c in participants]
+
     @property
     def run_delta(self) -> float:
-        return self.delta if self.delta is not None else default_delta(self.clients)
+        if self.delta is not None:
+            return self.delta
+        if self.privacy is not None and self.privacy.get("name") == "sample_level" and self.sizes:
+            return default_delta(sum(self.sizes))  # below 1/N, N samples in all: a sample-level guarantee
+        return default_delta(self.clients)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    """The run's local schedule as the accountant plans with it (fedlt.algorithms.base.LocalSchedule):
+    b_k = ⌊n_k·B/Σ_j n_j⌋ (≥ 1) over the round's participants and ``iters`` steps, or by epochs
+    ``batch_size`` and epochs × batches per epoch."""
+
+    server_batch: int
+    iters: int
+    epochs: int | None
+    batch_size: int
+    drop_last: bool = False
+
+    def batch(self, n: int, total: int) -> int:
+        return self.batch_size if self.epochs is not None else proportional_batches([n, total - n], self.server_batch)[0]
+
+    def steps(self, batch: int, n: int) -> int:
+        return steps_per_round(batch, n, self.iters, self.epochs, self.drop_last)
 
 
 class UploadRunner:
@@ -95,8 +153,9 @@ class UploadRunner:
     def __init__(self, transport: ClientRunner, settings: UploadSettings) -> None:
         self.transport, self.settings = transport, settings
         self.mech = settings.mechanism()
-        self.accountant = (Accountant(self.mech, settings.clients, settings.per_round, settings.run_delta)
-                           if self.mech is not None else None)
+        self.accountant = None if self.mech is None else (
+            SampleAccountant(self.mech, settings.run_delta) if self.mech.level == "sample"
+            else Accountant(self.mech, settings.clients, settings.per_round, settings.run_delta))
         self.clip_norm = self.mech.clip if self.mech is not None else None
         self.active = bool(settings.transforms or self.mech is not None or settings.secure)
         self.counts = {"bytes_down": 0, "bytes_up": 0}
@@ -112,6 +171,9 @@ class UploadRunner:
         if not self.active:
             return None
         mech = self.mech
+        if mech is not None and mech.level == "sample":  # DP-SGD in training; the update goes as it is
+            return UploadPlan(transforms=self.settings.transforms, secure=self.settings.secure,
+                              sample_level=(mech.clip, mech.noise_multiplier))
         return UploadPlan(transforms=self.settings.transforms, clip=self.clip_norm,
                           noise_std=None if mech is None or mech.central else mech.noise_multiplier * mech.clip,
                           secure=self.settings.secure, uniform=mech is not None and mech.central)
@@ -155,11 +217,17 @@ class UploadRunner:
         if not results or tasks[0].upload is None:
             return list(outcomes)
         task = tasks[0]
+        if self.mech is not None and self.mech.level == "sample":  # the clients' DP-SGD steps, accounted
+            batches = {t.cid: t.schedule.batch for t in tasks}
+            self.extra = {"epsilon": self.accountant.record(
+                [(r.cid, r.num_samples, min(batches[r.cid], r.num_samples), r.steps) for r in results])}
+        if not task.upload.changes_upload:
+            return list(outcomes)
         if any(r.packed is None for r in results):
             raise FedltError("upload: a client's result came back without its packed update (a client path that "
                              "does not apply fedlt.algorithms.protocol.uploaded)")
         central = self.mech is not None and self.mech.central
-        if self.mech is not None and not central:  # local DP: the clients' noised uploads are the release
+        if self.mech is not None and not central and self.mech.level == "client":  # local DP: the clients' noised uploads are the release
             self.extra = {"epsilon": self.accountant.step(), "clip_norm": self.clip_norm}
         if not (self.settings.secure or central):
             opened = {r.cid: open_upload(task.weights, r.weights, r.packed) for r in results}
@@ -200,6 +268,18 @@ class UploadRunner:
             noisy = (unclipped + mech.count_std(expected) * float(torch.randn((), generator=generator))) / expected
             self.clip_norm = self.clip_norm * math.exp(-mech.clip_lr * (noisy - mech.target_quantile))
         return out
+
+    # -- the budget ----------------------------------------------------------------------------------
+    def prospective_epsilon(self, participants: Sequence[int]) -> float | None:
+        """The run's ε were these participants to train one more round as planned (None without DP)."""
+        acc = self.accountant
+        if acc is None:
+            return None
+        if isinstance(acc, SampleAccountant):
+            return acc.prospective(self.settings.planned(participants))
+        if self.mech.central:
+            return epsilon_after(acc.multiplier, acc.rounds + 1, acc.clients, acc.per_round, acc.delta)
+        return epsilon_after(acc.multiplier, acc.rounds + 1, 1, 1, acc.delta)
 
     # -- per round -----------------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -250,19 +330,28 @@ class UploadSessions:
         return getattr(self.inner, name)
 
 
-def summary(metrics: Sequence[dict[str, Any]], config: Any) -> dict[str, Any]:
+def summary(metrics: Sequence[dict[str, Any]], config: Any, sizes: Sequence[int] = ()) -> dict[str, Any]:
     """The run's traffic (bytes up and down over every round) and, under DP, its guarantee: the
-    mechanism (σ as calibrated), δ, the final ε and the accountant that gave it."""
+    mechanism (σ as calibrated), δ, the final ε, the accountant that gave it, and whether the run
+    stopped because its next round would have spent more than ``stop_at_epsilon``."""
     out: dict[str, Any] = {"bytes_up": sum(r.get("bytes_up", 0) for r in metrics),
                            "bytes_down": sum(r.get("bytes_down", 0) for r in metrics)}
     if config.privacy is None:
         return out
-    settings = UploadSettings.of(config)
+    settings = UploadSettings.of(config, sizes)
     mech = settings.mechanism()
-    sampling = (f"{settings.per_round} of {settings.clients} clients a round without replacement "
-                "(dp-accounting RDP, SampledWithoutReplacementDpEvent, REPLACE_ONE)" if mech.central
-                else "every round, the worst client (dp-accounting RDP, Gaussian)")
+    if mech.level == "sample":
+        sampling = ("each client's local steps, Poisson-sampled batches of rate b_k/n_k; the largest client's ε "
+                    "(dp-accounting RDP, PoissonSampledDpEvent, ADD_OR_REMOVE_ONE)")
+    elif mech.central:
+        sampling = (f"{settings.per_round} of {settings.clients} clients a round without replacement "
+                    "(dp-accounting RDP, SampledWithoutReplacementDpEvent, REPLACE_ONE)")
+    else:
+        sampling = "every round, the worst client (dp-accounting RDP, Gaussian)"
     eps = [r["epsilon"] for r in metrics if "epsilon" in r]
+    budget = settings.stop_at_epsilon
+    stopped = budget is not None and len(metrics) < config.rounds
     return out | {"privacy": {"mechanism": mech.spec(), "delta": settings.run_delta,
                               "epsilon": eps[-1] if eps else 0.0, "sampling": sampling,
-                              "secure_aggregation": settings.secure}}
+                              "secure_aggregation": settings.secure, "stop_at_epsilon": budget,
+                              "stopped_by_privacy_budget": stopped}}

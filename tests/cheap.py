@@ -22,6 +22,9 @@ CHEAP: dict[str, dict[str, Any]] = {
     "ccvr": {"step": {"name": "ccvr", "samples_per_class": 4}},
     "fedloge": {"head": {"name": "sse_c", "steps": 2}},
     "fedrela": {"head": {"name": "sse_c", "steps": 2}},  # FedLoGe's SSE-C under FedReLa's relabelling
+    # FEDIC's 3 × 100 server steps a round on 100 proxy images a class (their main.py, options.py)
+    "fedic": {"proxy_per_class": 3, "finetune_steps": 2, "calibration_steps": 2, "distill_steps": 2,
+              "batch_unlabeled": 8},
 }
 
 

@@ -10,12 +10,13 @@ from fedlt.algorithms.base import LocalSchedule
 
 
 class BodyHead(nn.Module):
-    """The goldens' stand-in for the authors' ResNet: Linear(inputs, features) + ReLU, then the
-    classifier (``get_classifier``, as their models name it)."""
+    """The goldens' stand-in for the authors' ResNet: Linear(inputs, features) (+ BatchNorm1d with
+    ``norm``) + ReLU, then the classifier (``get_classifier``, as their models name it)."""
 
-    def __init__(self, inputs: int, features: int, classes: int):
+    def __init__(self, inputs: int, features: int, classes: int, norm: bool = False):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(inputs, features), nn.ReLU())
+        norms = [nn.BatchNorm1d(features)] if norm else []  # FEDIC's fixture: a BatchNorm between
+        self.body = nn.Sequential(nn.Linear(inputs, features), *norms, nn.ReLU())
         self.classifier = nn.Linear(features, classes)
 
     def forward(self, x):

@@ -86,3 +86,32 @@ def test_drop_last_reaches_the_schedule_of_a_run():
     ctx = run_context(cfg, spec, (1, 28, 28), torch.ones(2, 10, dtype=torch.int64), [])
     schedule = ctx.schedule(10)
     assert schedule.drop_last and schedule.batch == 10 and schedule.epochs == 1 and schedule.momentum == 0.0
+
+
+class _Started(Exception):
+    """Raised where the run would draw its progress display: everything before it has run."""
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_a_run_says_once_at_its_start_when_its_settings_are_not_its_authors(preset, capsys, monkeypatch, tmp_path):
+    """The CLI's note (cli/run_cmd.py), stopped before anything trains: one stderr line naming the
+    differences and the way to the authors' settings; under ``--preset authors`` none — except
+    for a setting the user gave, named as such."""
+    import fedlt.cli.run_cmd as run_cmd
+
+    monkeypatch.setattr(run_cmd, "Console", lambda **kw: (_ for _ in ()).throw(_Started()))
+    args = ["run", "--algo", "fedrep", "--model", "mlp", "--out", str(tmp_path / "o"), "--quiet"]
+    with pytest.raises(_Started):
+        main(args + (["--preset", "authors"] if preset else []))
+    err = capsys.readouterr().err.strip().splitlines()
+    if preset:
+        assert err == []
+        with pytest.raises(_Started):
+            main(args + ["--preset", "authors", "--lr", "0.1"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["note: fedrep runs its authors' settings (github.com/TsingZ0/PFLlib@"
+                       "d832e76f6a23b833038949ec1e4fdefe63a4d350) except lr 0.1 (theirs 0.005), as set"]
+    else:
+        assert len(err) == 1 and err[0].startswith("note: fedrep runs with fedlt's settings, not its authors' (")
+        assert "momentum 0.9 (theirs 0)" in err[0] and "drop_last false (theirs true)" in err[0]
+        assert err[0].endswith("--preset authors runs theirs")

@@ -27,10 +27,17 @@ def test_cohort_equals_sequential(name):
     check_cohort(name, cheap.params(name))  # CReFF's, CCVR's and FedLoGe's server-side sizes cut (tests/cheap.py)
 
 
-@pytest.mark.parametrize("name,hook", [("moon", "parts"), ("feddecorr", "parts"), ("fedsam", "backward")])
-def test_what_cannot_be_vmapped_says_why(name, hook):
+@pytest.mark.parametrize("name,why", [("fedsam", "overrides ClientUpdate.backward"),
+                                      ("apfl", "overrides ClientUpdate.stepped"),
+                                      ("feddecorr", "magnifies the batched forward's float rounding")])
+def test_what_cannot_be_vmapped_says_why(name, why):
     algorithm = fedlt.algorithms.create(name)
-    assert f"overrides ClientUpdate.{hook}" in cohort_reason(algorithm, nn.Linear(2, 2))
+    assert why in cohort_reason(algorithm, nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper"])
+def test_what_now_runs_batched(name):  # the terms hook (a representation, a second head, reference forwards), phases
+    assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 
 
 def test_models_coupling_a_batch_or_drawing_randomness_fall_back():
@@ -95,10 +102,16 @@ def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, 
     from fedlt.engine import run
     from fedlt.testing.algorithms import TINY
 
-    settings = dict(TINY, model="mlp", algorithm="fedrep", rounds=2, cohort=4)
+    settings = dict(TINY, model="mlp", algorithm="apfl", rounds=2, cohort=4)
     with caplog.at_level("WARNING", logger="fedlt"):
         summary = run(RunConfig(**settings, out=tmp_path / "run"))
     said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
     assert len(said) == 1 and said[0].startswith("fedlt: --cohort 4 falls back to one client at a time: ")
     assert "\n" not in said[0] and summary["cohort_fallback"] in said[0]
     assert "overrides ClientUpdate" in summary["cohort_fallback"]
+
+
+def test_phases_continue_each_clients_random_stream():
+    """FedRep's and Ditto's second phase draws its augmentation where the first phase's stream
+    stopped (as the sequential round, one stream for both phases): a cohort that restarted it fails."""
+    check_cohort("ditto", augment="hflip", clients=3, size=3, train_limit=150)

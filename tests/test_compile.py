@@ -46,7 +46,7 @@ def test_inductor_equals_eager(name):
 def test_what_is_left_eager_says_why():
     assert compile_reason(fedlt.algorithms.create("fedavg")) is None
     assert compile_reason(fedlt.algorithms.create("scaffold")) is None  # its correct hook runs after the backward
-    assert "overrides ClientUpdate.parts" in compile_reason(fedlt.algorithms.create("moon"))
+    assert "overrides ClientUpdate.terms" in compile_reason(fedlt.algorithms.create("moon"))
     assert "overrides ClientUpdate.backward" in compile_reason(fedlt.algorithms.create("fedsam"))
     assert "split learning" in compile_reason(fedlt.algorithms.create("scala"))
     fedavg = fedlt.algorithms.create("fedavg")  # what a run with --compile starts by saying
@@ -94,5 +94,5 @@ def test_a_fallback_is_said_at_the_start_and_recorded(tmp_path, caplog):
                                 out=tmp_path / "run"))
     said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
     assert len(said) == 1 and said[0].startswith("fedlt: --compile leaves the local steps eager: ")
-    assert "overrides ClientUpdate.parts" in summary["compile_fallback"] and summary["compile_fallback"] in said[0]
+    assert "overrides ClientUpdate.terms" in summary["compile_fallback"] and summary["compile_fallback"] in said[0]
     assert '"compile": true' in (tmp_path / "run" / "config.json").read_text()

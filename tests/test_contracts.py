@@ -93,7 +93,8 @@ def test_every_dataset_passes_its_contract(name, tmp_path, monkeypatch):
 # FedLoGe's and CCVR's published sizes too (tests/cheap.py: checked by their golden tests)
 ALGORITHM_EXAMPLES = {"creff": {"step": {"name": "creff", "match_epochs": 3, "retrain_epochs": 2,
                                          "features_per_class": 8, "repeats": 2}},
-                      "fedloge": cheap.params("fedloge"), "fedrela": cheap.params("fedrela"), "ccvr": cheap.params("ccvr")}
+                      "fedloge": cheap.params("fedloge"), "fedrela": cheap.params("fedrela"), "ccvr": cheap.params("ccvr"),
+                      "fedic": cheap.params("fedic")}
 
 
 @pytest.mark.parametrize("name", fedlt.algorithms.list())

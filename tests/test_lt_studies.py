@@ -98,7 +98,7 @@ def test_the_mnist_lt_study_expands_to_valid_runs_of_every_row(tmp_path):
     study, _ = load_study(STUDIES / "longtail_mnist.yaml")
     entries = expand(study, tmp_path / "study")
     rows = {"fedavg", "fedlogit", "fedlc", "fedvls", "fedgrab", "ccvr", "creff", "fedetf", "fedloge", "fednh", "fedlf",
-            "fednpc", "fedproto", "fedgela", "fedrela", "fedyoyo"}
+            "fednpc", "fedproto", "fedgela", "fedrela", "fedyoyo", "fedic"}
     configs = [RunConfig.model_validate(e.config) for e in entries]
     assert {c.algorithm for c in configs} == rows and len(configs) == 3 * len(study.axes["algorithm"])
     assert {(c.algorithm, c.seeds.model) for c in configs} == {(a, s) for a in rows for s in (0, 1, 2)}

@@ -321,3 +321,15 @@ def test_a_stop_signal_with_workers_checkpoints_and_resumes_exactly(pool, tmp_pa
     run(RunConfig(**base, workers=2, out=tmp_path / "cut"), resume=True, runner=ParallelRunner(pool))
     assert same_end(tmp_path / "straight", tmp_path / "cut") == []
     assert without_timings(tmp_path / "straight") == without_timings(tmp_path / "cut")
+
+
+def test_dp_sgd_is_bit_identical_with_two_workers(pool, tmp_path):
+    """Sample-level DP (issue 42): the Poisson batches and the noise are each client's own streams,
+    so two workers end where one process does, with the same ε (tests/test_dpsgd.py checks its value)."""
+    base = dict(algorithm="fedavg", model="mlp", clients=2, participation=1.0, local_epochs=1, batch_size=10,
+                train_limit=100, test_limit=50, eval_every=1, partition={"name": "iid"}, rounds=1,
+                privacy="sample_level(clip=1.0, noise_multiplier=1.2)")
+    one = run(RunConfig(**base, out=tmp_path / "one"))
+    two = run(RunConfig(**base, workers=2, out=tmp_path / "two"), runner=ParallelRunner(pool))
+    assert same_end(tmp_path / "one", tmp_path / "two") == []
+    assert one["privacy"]["epsilon"] == two["privacy"]["epsilon"] > 0

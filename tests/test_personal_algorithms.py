@@ -403,8 +403,9 @@ def test_a_fedrod_client_never_sampled_adds_the_initial_personal_head():
 
 def test_what_trains_alone_says_why():
     assert "overrides ClientUpdate.stepped" in cohort_reason(fedlt.algorithms.create("apfl"), MLP(D, C))
-    assert "overrides ClientUpdate.__call__" in cohort_reason(fedlt.algorithms.create("fedper"), MLP(D, C))
-    assert cohort_reason(fedlt.algorithms.create("fedavg_ft"), MLP(D, C)) is None  # FedAvg's own loop
+    # the loop's start and frozen_keys hooks; FedRep's and Ditto's phases one cohort each
+    for name in ("fedavg_ft", "fedper", "fedbabu", "lg_fedavg", "local", "fedrep", "ditto"):
+        assert cohort_reason(fedlt.algorithms.create(name), MLP(D, C)) is None
 
 
 def test_fedrod_personal_prediction_is_generic_plus_personal_logits():

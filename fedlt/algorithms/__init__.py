@@ -24,5 +24,13 @@ def preset(name: str, engine: type, doc: str, **defaults) -> None:
     register(name)(factory)
 
 
-from fedlt.algorithms import fedavg_family, fedgela, fedproto, fedrela, fedyoyo, longtail, pfl, recalibrate, split, stateful  # noqa: E402,F401  (register the built-ins)
+def server_data_per_class(algorithm) -> tuple[int, str]:
+    """How many training images of each class ``algorithm`` needs at the server, held out of the
+    clients' data before partitioning (its ``server_data_per_class()``: 0 when it defines none),
+    and the parameters that set it, for messages."""
+    need = getattr(algorithm, "server_data_per_class", None)
+    return need() if callable(need) else (0, "")
+
+
+from fedlt.algorithms import fedavg_family, fedgela, fedic, fedproto, fedrela, fedyoyo, longtail, pfl, recalibrate, split, stateful  # noqa: E402,F401  (register the built-ins)
 from fedlt.algorithms import personal  # noqa: E402,F401  (installs the runners' per-client evaluation)

@@ -199,6 +199,18 @@ declare("creff", CREFF, {
     "drop_last": (False, "main.py:241"),
 })
 
+FEDIC = "github.com/shangxinyi/FEDIC@76a1d75e33f1b315b0ab99f1e603a206c37c5446"
+declare("fedic", FEDIC, {
+    "optimiser.lr": (0.1, "options.py:28"),
+    "optimiser.momentum": (0.0, "main.py:283"),  # SGD(params, lr) only
+    "optimiser.weight_decay": (0.0, "main.py:283"),
+    "optimiser.clip": (None, "main.py:299"),  # backward, then step: no clipping
+    "local_epochs": (10, "options.py:17"),
+    "batch_size": (128, "options.py:18"),
+    "drop_last": (False, "main.py:290"),
+}, note="the server's sizes (100 proxy images a class, 3 × 100 Adam steps at lr 0.001, T = 2, λ = 0.5) are "
+        "fedic's defaults already (docs/algorithms.md)")
+
 # The personalised methods as PFLlib runs them (its main.py defaults and clientbase's plain SGD
 # over loaders that drop the last partial batch); the method constants fedlt's defaults already
 # take from the methods' own authors (docs/algorithms.md) are left as they are.
@@ -219,3 +231,49 @@ for _name, _extra in {
     "fedavg_ft": {"algorithm_params.finetune_epochs": (10, "system/main.py:471")},
 }.items():
     declare(_name, PFLLIB, {**_PFLLIB_TRAINING, **_extra})
+
+# The methods of issue 45; their method constants are fedlt's defaults already (docs/algorithms.md).
+FEDPROTO = "github.com/yuetan031/FedProto@97e42e2741e1ae2e2fce2465e80f38f6997f8836"
+declare("fedproto", FEDPROTO, {
+    "optimiser.lr": (0.01, "lib/options.py:22"),
+    "optimiser.momentum": (0.5, "lib/update.py:145"),  # hard-coded, whatever --momentum says
+    "optimiser.weight_decay": (0.0, "lib/update.py:144"),
+    "optimiser.clip": (None, "lib/update.py:175"),
+    "local_epochs": (1, "lib/options.py:18"),
+    "batch_size": (4, "lib/options.py:20"),
+    "drop_last": (True, "lib/update.py:42"),
+})
+
+FEDGELA = "github.com/MediaBrain-SJTU/FedGELA@b5b20d522c70672b9c374116797c20b0e3c7c806"
+declare("fedgela", FEDGELA, {
+    "optimiser.lr": (0.01, "FedGELA.py:169"),
+    "optimiser.momentum": (0.9, "FedGELA.py:186"),
+    "optimiser.weight_decay": (1e-4, "FedGELA.py:170"),  # --reg, passed to SGD at FedGELA.py:187
+    "optimiser.clip": (20.0, "FedGELA.py:212"),  # clip_grad_norm_(max_norm=20): the total norm
+    "local_epochs": (10, "FedGELA.py:168"),
+    "batch_size": (64, "FedGELA.py:157"),
+    "drop_last": (True, "load_data.py:173"),
+})
+
+FEDRELA = "github.com/guangzhengh/FedReLa@20a58bd75f48b3243f80adb35537b5b4ba252773"
+declare("fedrela", FEDRELA, {
+    "optimiser.lr": (0.001, "README.md:47"),  # every command of the README; options.py:68's default is 0.03
+    "optimiser.momentum": (0.5, "options.py:69"),  # args_parser_cifar10, the README's CIFAR-10 suite
+    "optimiser.weight_decay": (0.0, "util/update_baseline.py:369"),
+    "optimiser.clip": (None, "util/update_baseline.py:484"),
+    "local_epochs": (5, "README.md:47"),
+    "batch_size": (8, "options.py:67"),
+    "drop_last": (False, "util/update_baseline.py:53"),
+}, note="from relabel_start on, their loop trains at lr x 0.1 (util/update_baseline.py:366-367): "
+        "fedrela's lr_scale")
+
+FEDYOYO = "github.com/shanss132/FedYoYo@342686e95f616e0b9bec9478dd324b73941f0895"
+declare("fedyoyo", FEDYOYO, {
+    "optimiser.lr": (0.1, "main_fedyoyo.py:59"),
+    "optimiser.momentum": (0.0, "main_fedyoyo.py:154"),  # SGD(params, lr) only
+    "optimiser.weight_decay": (0.0, "main_fedyoyo.py:154"),
+    "optimiser.clip": (None, "main_fedyoyo.py:192"),
+    "local_epochs": (10, "main_fedyoyo.py:56"),
+    "batch_size": (32, "main_fedyoyo.py:57"),
+    "drop_last": (False, "main_fedyoyo.py:163"),
+})

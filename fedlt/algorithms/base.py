@@ -237,6 +237,10 @@ class RunContext:
     cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
     drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
     compile: str | None = None  # --compile: the steps' torch.compile backend (fedlt.algorithms.compiled); None: eager
+    # training images only the server holds, taken out before partitioning (an algorithm's
+    # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none, and in a
+    # process that runs only client work (a worker, a Flower node)
+    server_data: ClientData | None = None
 
     def round(self, round_index: int, participants: Sequence[ClientData],
               classifier_weight: torch.Tensor | None = None) -> RoundContext:

@@ -38,10 +38,10 @@ from torch.func import functional_call, vmap
 
 import fedlt.augment
 from fedlt.algorithms import compiled
-from fedlt.algorithms.base import (backward_precision, build_objective, client_generator, forward_precision,
+from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, _PLAIN, check_parts, client_update,
-                                            trainable_names)
+from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+                                            client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -51,6 +51,7 @@ def client_variant(algorithm: Any) -> ClientUpdate | None:
     """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
     when its client work is something else."""
     fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    fn = getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
@@ -108,19 +109,33 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     update = client_variant(algorithm)
     if update is None:
         return f"{type(algorithm).__name__}'s client work is not a ClientUpdate loop"
-    for hook in ("parts", "backward"):
-        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
-            return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
-                    "or a two-pass step that the batched forward does not carry)")
-    # work around the loop (CCVR's statistics), what is sent (FedDC's θ+h), a second model stepped
-    # after each step (APFL) or another minibatch stream (a fine-tune)
-    for hook in ("__call__", "upload", "stepped", "generator"):
-        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
-            return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
+    phased = type(update).__call__ is PhasedUpdate.__call__
+    loops = update.loops() if phased else [update]
+    if phased and any(type(u).without_loop is not ClientUpdate.without_loop for u in loops):
+        return f"{type(update).__name__} has a phase that may answer without training (without_loop)"
+    reason = next((r for r in map(_loop_reason, loops) if r), None)
+    if reason:
+        return reason
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             return f"the model has {type(m).__name__} (running statistics updated in place per client)"
     return _random_module(model) or (_probe(model, sample) if sample is not None else None)
+
+
+def _loop_reason(update: ClientUpdate) -> str | None:
+    """Why one local loop cannot run as a cohort step: a hook the batched step does not carry,
+    or its own stated reason."""
+    if update.cohort_refusal:
+        return update.cohort_refusal
+    for hook in ("parts", "backward"):
+        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
+            return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
+                    "or a two-pass step that the batched forward does not carry)")
+    # work around the loop (CCVR's statistics) or a second model stepped after each step (APFL)
+    for hook in ("__call__", "loop", "stepped"):
+        if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
+            return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
+    return None
 
 
 def _same_schedule(tasks: Sequence[ClientTask]) -> str | None:
@@ -162,49 +177,95 @@ class _Seeded:
             self.client.rng = dict(self.after)
 
 
-def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[str]) -> _Client:
-    """A participant's round set up exactly as ``ClientUpdate.__call__`` does, in its own stream."""
-    with client_rng(task) as after:
+def _open(update: ClientUpdate, task: ClientTask, model: nn.Module, names: list[str],
+          rng: dict[str, torch.Tensor] | None) -> _Client:
+    """A participant's round set up exactly as ``ClientUpdate.loop`` does, in its own stream
+    (continued from ``rng``, a previous phase's, when given)."""
+    with client_rng(task, rng) as after:
         model.load_state_dict(task.weights)
         model.train()
         objective = build_objective(task.objective, task.context, task.cid, task.data.class_counts,
                                     [task.weights[n] for n in names], task.state.get("loss"))
-        generator = client_generator(task.context.sampling_seed, task.round_index, task.cid)
+        generator = update.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)
         local = update.begin(task, model, [task.weights[n].detach().clone() for n in names])
         stream = task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device))
     return _Client(task, objective, augment, local, stream, dict(after))
 
 
+class _ClientForward:
+    """``StepForward``'s interface (fedlt.algorithms.fedavg_family) over one client's slice ``j``
+    of a cohort's batched forward: its logits and h, its weights (``params``: name → stacked
+    over the group) for a submodule's call, and a reference forward of its own."""
+
+    def __init__(self, model: nn.Module, prefixes: dict[int, str], params: dict[str, torch.Tensor], j: int,
+                 x: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+        self.model, self.prefixes, self.params, self.j = model, prefixes, params, j
+        self.x, self.logits, self.features = x, logits, features
+
+    def _weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        prefix = self.prefixes[id(module)]
+        return {n[len(prefix):]: t[self.j] for n, t in self.params.items() if n.startswith(prefix)}
+
+    def call(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, self._weights(module), inputs)
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        return self._weights(module)[name]
+
+    @torch.no_grad()
+    def reference(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        with features_of(self.model) as seen, eval_mode(self.model):
+            functional_call(self.model, weights, (self.x,))
+        return seen[0]
+
+
 class Cohort:
     """N participants' round as one vmapped loop (see the module); ``run()`` returns their results
-    in the order of ``tasks``."""
+    in the order of ``tasks``. ``rng``: each client's random stream to continue (a later phase of
+    a round, :class:`fedlt.algorithms.fedavg_family.PhasedUpdate`); afterwards ``streams()``."""
 
-    def __init__(self, update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> None:
-        self.update, self.tasks, self.model = update, list(tasks), model
+    def __init__(self, update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                 rng: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
+        self.update, self.model = update, model
+        self.tasks = [update.start(t) for t in tasks]
+        self.rng = list(rng) if rng is not None else [None] * len(self.tasks)
+
+    def run(self) -> list[ClientResult]:
+        with frozen(self.model, self.update.frozen_keys(self.model)):
+            self._setup()
+            while True:
+                batches = self._draw()
+                if not batches:
+                    break
+                for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
+                    self._step([b for b in batches if tuple(b[1].shape) == shape])
+            return [self._finish(k, c) for k, c in enumerate(self.clients)]
+
+    def streams(self) -> list[dict[str, torch.Tensor | None]]:
+        """Each client's random stream where its round stopped (the next phase continues it)."""
+        return [c.rng for c in self.clients]
+
+    def _setup(self) -> None:
+        model = self.model
         self.names = trainable_names(model)
-        self.clients = [_open(update, t, model, self.names) for t in self.tasks]
+        self.prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
+        self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
         trainable = set(self.names)
-        # frozen parameters and buffers: the same for every step, stacked once
+        # frozen parameters and buffers: the same for every step, stacked once (a non-persistent
+        # buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
         self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
-                      for n, _ in [*model.named_parameters(), *model.named_buffers()] if n not in trainable}
+                      for n, _ in [*model.named_parameters(), *model.named_buffers()]
+                      if n not in trainable and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
-        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled)
-        backend = self.schedule.compile
+        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
+        # for the variants whose sequential step compiles too (step_reason)
+        backend = self.schedule.compile if step_reason(type(self.update)) is None else None
         self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
-
-    def run(self) -> list[ClientResult]:
-        while True:
-            batches = self._draw()
-            if not batches:
-                break
-            for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
-                self._step([b for b in batches if tuple(b[1].shape) == shape])
-        return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""
@@ -219,15 +280,24 @@ class Cohort:
     def _forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, params, (x,))
 
+    def _with_features(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the representation h (``features_of``), captured inside the vmapped call."""
+        with features_of(self.model) as seen:
+            logits = functional_call(self.model, params, (x,))
+        return logits, seen[0]
+
     def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ks = [k for k, _, _ in group]
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-        fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()}
         x = torch.stack([x for _, x, _ in group])
         device = x.device
         with forward_precision(self.schedule.precision, device):
-            logits = upcast(self.vmapped(dict(zip(self.names, leaves)) | fixed, x))
+            if self.update.features:
+                logits, features = vmap(self._with_features)(params, x)
+            else:
+                logits, features = self.vmapped(params, x), None
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
             total = []
             for j, (k, _, y) in enumerate(group):
@@ -237,11 +307,14 @@ class Cohort:
                     extra["teacher_logits"] = teacher[j]
                 if c.objective.needs_params:
                     extra["params"] = [leaf[j] for leaf in leaves]
+                forward = _ClientForward(self.model, self.prefixes, params, j, x[j], logits[j],
+                                         None if features is None else features[j])
                 with _Seeded(c):
-                    value = c.objective(logits[j], y, **extra)
-                c.parts.setdefault(OBJECTIVE, []).append(value.detach())
+                    parts = self.update.terms(c.local, forward, c.objective, y, extra)
+                for name, value in parts.items():
+                    c.parts.setdefault(name, []).append(value.detach())
                 c.steps += 1
-                total.append(value)
+                total.append(sum(parts.values()))
         with backward_precision(device):
             torch.stack(total).sum().backward()
         grads = self._corrected(ks, leaves)
@@ -286,7 +359,8 @@ class Cohort:
         if self.schedule.clip is None:
             return
         present = [g for g in grads if g is not None]
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in present], 1)
+        # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
         coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
@@ -311,15 +385,47 @@ class Cohort:
             self.weights[i].index_copy_(0, index, p.add(d_p, alpha=-s.lr))
 
     def _finish(self, k: int, c: _Client) -> ClientResult:
+        """The client's result as the loop's end gives it: its trained weights loaded into the
+        work module, so ``end`` and ``upload`` read the model they would read sequentially."""
         task = c.task
         train_loss = check_parts(c.parts, c.steps, task)
         params = [w[k] for w in self.weights]
+        trained = dict(zip(self.names, params))
+        self.model.load_state_dict({n: trained.get(n, t) for n, t in task.weights.items()})
         with _Seeded(c):
             own, extras = self.update.end(c.local, task, self.model, params, c.steps)
+            weights = self.update.upload(c.local, task, self.model, own)
         state = ({"loss": c.objective.state_dict()} if c.objective.state_dict() else {}) | own
-        trained = dict(zip(self.names, params))
-        weights = {n: (trained[n] if n in trained else t).detach().clone() for n, t in task.weights.items()}
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
+
+
+def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+    """Each task the update answers without training (``without_loop``, in the client's stream
+    as sequentially), the others trained as one :class:`Cohort`; in the order of ``tasks``."""
+    answered = []
+    for task in tasks:
+        with client_rng(task):
+            answered.append(update.without_loop(task, model))
+    rest = [t for t, a in zip(tasks, answered) if a is None]
+    trained = iter(Cohort(update, rest, model).run() if rest else [])
+    return [a if a is not None else next(trained) for a in answered]
+
+
+def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+    """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
+    cohort per phase, each client's random stream carried from phase to phase."""
+    if not isinstance(update, PhasedUpdate):
+        return _answered_or_trained(update, tasks, model)
+    done: list[list[ClientResult]] = [[] for _ in tasks]
+    streams = None
+    while True:
+        steps = [update.phase(len(d), t, d) for t, d in zip(tasks, done)]
+        if steps[0] is None:
+            return [update.join(t, d) for t, d in zip(tasks, done)]
+        cohort = Cohort(steps[0][0], [task for _, task in steps], model, streams)
+        for d, result in zip(done, cohort.run()):
+            d.append(result)
+        streams = cohort.streams()
 
 
 class CohortRunner:
@@ -342,6 +448,8 @@ class CohortRunner:
     def reason(self, algorithm: Any, tasks: Sequence[ClientTask]) -> str | None:
         if any(t.fault for t in tasks):
             return "a participant has an injected fault (run one by one)"
+        if any(t.upload is not None and t.upload.sample_level is not None for t in tasks):
+            return SAMPLE_LEVEL
         model = getattr(algorithm, "_work", None)
         if model is None:
             return f"{type(algorithm).__name__} has no work module"
@@ -359,8 +467,8 @@ class CohortRunner:
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += [uploaded(t, r) for t, r in zip(chunk, Cohort(update, [isolated(t) for t in chunk],
-                                                                      algorithm._work).run())]
+                out += [uploaded(t, r) for t, r in zip(chunk, train_cohort(update, [isolated(t) for t in chunk],
+                                                                           algorithm._work))]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise
@@ -375,12 +483,18 @@ class CohortRunner:
         return self.transport.each(job, algorithm, tasks)
 
 
-def cohort_fallback(runner: Any, algorithm: Any, size: int) -> str | None:
+SAMPLE_LEVEL = ("sample-level DP vmaps each client's step over its samples (per-sample gradients), "
+                "which the cohort's vmap over clients does not nest")
+
+
+def cohort_fallback(runner: Any, algorithm: Any, size: int, sample_level: bool = False) -> str | None:
     """Why a run asking for cohorts of ``size`` trains its clients one at a time, as known before
     its first round (the algorithm, the model, the engine); None when the cohort runs (or none
     was asked). A round can still fall back on its own (an injected fault): ``first_fallback``."""
     if size <= 1:
         return None
+    if sample_level:
+        return SAMPLE_LEVEL
     if not isinstance(runner, CohortRunner):
         return f"{type(runner).__name__} runs each client on its own (workers > 1 or Flower)"
     return runner.reason(algorithm, [])
@@ -391,4 +505,4 @@ def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
     return transport if size <= 1 else CohortRunner(transport, size)
 
 
-__all__ = ["Cohort", "CohortRunner", "cohort_fallback", "cohort_reason", "with_cohort"]
+__all__ = ["Cohort", "CohortRunner", "train_cohort", "cohort_fallback", "cohort_reason", "with_cohort"]

@@ -9,9 +9,10 @@ is ``Federated.train_round``, shared by every one-call-per-round algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import is_dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import ConfigDict, Field, PrivateAttr
@@ -25,7 +26,9 @@ from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, N
                                    forward_precision, place_model, proportional_batches, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
-from fedlt.models import eval_mode
+from fedlt.models import classifier, eval_mode
+from fedlt.errors import FedltError
+from fedlt.privacy.dpsgd import PrivateStep, noise_generator, poisson_batches, stateful_terms, steps_per_round
 from fedlt.spec import Params
 
 
@@ -37,13 +40,62 @@ def trainable_names(model: nn.Module) -> list[str]:
 OBJECTIVE = "objective"  # the part of a step's loss that is the task's loss expression
 
 
+@contextmanager
+def features_of(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects, flattened to B×d, the input of the model's classifier on every forward inside
+    the block (also through ``functional_call`` with other weights): the representation h of the
+    papers, with no change to the model or to what it computes."""
+    seen: list[torch.Tensor] = []
+    handle = classifier(model).register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+class StepForward:
+    """One client's forward of one local step, as a variant's ``ClientUpdate.terms`` reads it:
+    ``logits`` (the model on the step's x), ``features`` (the classifier's input h, B×d, when
+    the variant asks for it: ``ClientUpdate.features``), ``call(module, *inputs)`` (a submodule
+    of ``model`` run with this client's weights: FedRoD's personal head), ``param(module, name)``
+    (this client's tensor of a submodule: FedLF's classifier weight) and ``reference(weights)``
+    (h of the model with other weights on the same x, in eval mode, no gradient: MOON's
+    received and previous models). This one runs ``model`` itself; a cohort gives each of its
+    clients the same interface over its slice of the batched forward."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, features: bool) -> None:
+        self.model, self.x = model, x
+        self.features: torch.Tensor | None = None
+        if features:
+            with features_of(model) as seen:
+                self.logits = model(x)
+            self.features = seen[0]
+        else:
+            self.logits = model(x)
+
+    def call(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        return module(*inputs)
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        return getattr(module, name)
+
+    @torch.no_grad()
+    def reference(self, weights: State) -> torch.Tensor:
+        with features_of(self.model) as seen, eval_mode(self.model):
+            functional_call(self.model, weights, (self.x,))
+        return seen[0]
+
+
 class ClientUpdate:
     """The client's work for one round — local SGD on the objective — as an object whose steps
     a stateful algorithm overrides (SCAFFOLD's gradient correction, SAM's two-pass step, MOON's
     extra term), so every variant shares this one loop.
 
     Calling it is ``client_update(task, model)``. The hooks, in the order the loop calls them:
-    ``begin`` (once: what this round's variant needs, returned as ``local``), per step
+    ``build`` (the work module when none is given), ``without_loop`` (a task answered without
+    training), ``start`` (the task the loop trains: the
+    received one, or with the client's own part in place, as a personalised method keeps it),
+    ``frozen_keys`` (parameters kept out of training for the round), ``begin`` (once: what this round's variant needs, returned as ``local``), per step
     ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
     ``.backward()`` of their sum), ``correct`` (edits the gradients before clipping) and
     ``stepped`` (after the optimiser's step, same minibatch), then
@@ -56,8 +108,34 @@ class ClientUpdate:
     """
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        if model is None:
-            model = place_model(task.context.model.build(), task.data.x.device)
+        model = self.build(task) if model is None else model
+        answered = self.without_loop(task, model)
+        if answered is not None:
+            return answered
+        with frozen(model, self.frozen_keys(model)):
+            return self.loop(self.start(task), model)
+
+    def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
+        """A task answered without local training (None, the default: train): CCVR's and
+        CReFF's statistics-only tasks."""
+        return None
+
+    def build(self, task: ClientTask) -> nn.Module:
+        """A work module of the round's architecture on the data's device."""
+        return place_model(task.context.model.build(), task.data.x.device)
+
+    def start(self, task: ClientTask) -> ClientTask:
+        """The task the loop trains: the received one (a personalised variant puts the client's
+        own part, from its state, in place of the received one)."""
+        return task
+
+    def frozen_keys(self, model: nn.Module) -> Sequence[str]:
+        """State-dict keys of the parameters kept out of training this round (none)."""
+        return ()
+
+    def loop(self, task: ClientTask, model: nn.Module) -> ClientResult:
+        """The local loop on ``model`` from ``task.weights`` (the parameters that train are those
+        with ``requires_grad``)."""
         model.load_state_dict(task.weights)
         layout = torch.channels_last if channels_last(model, task.data.x.device) else torch.contiguous_format
         model.train()
@@ -69,10 +147,11 @@ class ClientUpdate:
         generator = self.generator(task)
         augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
-        forward = self.step_forward(task, model)
+        private = private_step(task, objective)
+        forward = self.step_forward(task, model) if private is None else model  # DP-SGD: its own per-sample forward
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
-        for x, y in task.data.batches(task.schedule.batches(len(task.data), generator, task.data.index_device)):
+        for x, y in task.data.batches(index_batches(task, generator, private)):
             x = augment(x).contiguous(memory_format=layout) if x.dim() == 4 else augment(x)
             extra: dict[str, Any] = {}
             optimiser.zero_grad(set_to_none=True)
@@ -81,11 +160,13 @@ class ClientUpdate:
                     extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
                 if objective.needs_params:
                     extra["params"] = params
-                step_parts = self.backward(local, forward, params, objective, x, y, extra)
+                step_parts = (self.backward(local, forward, params, objective, x, y, extra) if private is None
+                              else private.parts(model, params, objective, x, y, extra))
             for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
             self.correct(local, params)
-            task.schedule.clip_(params)
+            if private is None:  # DP-SGD's per-sample clip bounds the step instead
+                task.schedule.clip_(params)
             optimiser.step()
             self.stepped(local, model, x, y, steps)
             steps += 1
@@ -115,11 +196,22 @@ class ClientUpdate:
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return None
 
+    features: ClassVar[bool] = False  # whether ``terms`` reads the representation (``StepForward.features``)
+    # why a cohort (fedlt.algorithms.cohort) must not batch this loop although it could: its
+    # result would not equal the sequential one within the cohort's tolerance
+    cohort_refusal: ClassVar[str | None] = None
+
     def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The step's loss as named parts (their sum is minimised): the objective, and what a
-        variant adds under a name of its own."""
-        return {OBJECTIVE: objective(upcast(model(x)), y, **extra)}  # bf16 logits: the loss in float32
+        """The step's loss as named parts (their sum is minimised): ``terms`` of the model's
+        forward on x. A variant that adds a term overrides ``terms``, which a cohort runs too."""
+        return self.terms(local, StepForward(model, x, self.features), objective, y, extra)
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
+              extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The step's loss as named parts from its forward: the objective, and what a variant
+        adds under a name of its own."""
+        return {OBJECTIVE: objective(upcast(forward.logits), y, **extra)}  # bf16 logits: the loss in float32
 
     def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
                  y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -149,13 +241,16 @@ class ClientUpdate:
 
 
 def step_reason(update: type[ClientUpdate]) -> str | None:
-    """Why a variant's step cannot have its forward compiled (None: it can): ``parts`` or
-    ``backward`` overridden (a second forward, a module hook, a two-pass step: the variant calls
-    the model itself)."""
-    for hook in ("parts", "backward"):
+    """Why a variant's step cannot have its forward compiled (None: it can): its step reads more
+    than the logits of ``model(x)`` — ``terms``, ``parts`` or ``backward`` overridden (a submodule
+    through ``StepForward.call``, a parameter, a reference forward, a two-pass step) or the
+    representation (``features``: a module hook the compiled graph does not carry)."""
+    for hook in ("terms", "parts", "backward"):
         if getattr(update, hook) is not getattr(ClientUpdate, hook):
-            return f"{update.__name__} overrides ClientUpdate.{hook} (it calls the model itself: a second forward, " \
-                   "a module hook or a two-pass step)"
+            return f"{update.__name__} overrides ClientUpdate.{hook} (its step reads more than model(x): a " \
+                   "submodule, a parameter, the representation or a second forward)"
+    if update.features:
+        return f"{update.__name__} reads the representation (a hook on the classifier's input)"
     return None
 
 
@@ -198,11 +293,37 @@ def compile_fallback(algorithm: Any) -> str | None:
     return compile_reason(algorithm) or compiled.failure(getattr(algorithm, "_work", None))
 
 
+def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:
+    """DP-SGD's step when the task's plan asks for sample-level DP (fedlt.privacy.dpsgd), else None;
+    the objective then runs its reference (not fused) form, which ``vmap`` takes."""
+    dp = task.upload.sample_level if task.upload is not None else None
+    if dp is None:
+        return None
+    stateful = stateful_terms(objective)
+    if stateful:
+        raise FedltError(f"privacy: sample_level (DP-SGD) cannot run loss {task.objective!r}: its term(s) "
+                         f"{', '.join(stateful)} keep state across steps, which per-sample gradients would move once "
+                         "per sample")
+    objective.fused = "off"
+    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device
+                                if isinstance(task.data.x, torch.Tensor) else torch.device("cpu"))
+    return PrivateStep(float(dp[0]), float(dp[1]), min(task.schedule.batch, len(task.data)), generator)
+
+
+def index_batches(task: ClientTask, generator: torch.Generator, private: PrivateStep | None):
+    """The round's minibatch indices: the schedule's, or under DP-SGD as many Poisson-sampled ones."""
+    s, n = task.schedule, len(task.data)
+    if private is None:
+        return s.batches(n, generator, task.data.index_device)
+    return poisson_batches(n, private.batch, steps_per_round(s.batch, n, s.iters, s.epochs, s.drop_last), generator,
+                           task.data.index_device)
+
+
 def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:
     """The round's mean loss (the parts summed per step), after one finiteness check of every
     part at every step (one host synchronisation); a non-finite one is named: the objective by
     its expression, a variant's term by its own name."""
-    if not steps:
+    if not steps or not parts:  # no step, or DP-SGD's Poisson batches all empty
         return 0.0
     names = list(parts)
     table = torch.stack([torch.stack(parts[n]) for n in names])  # parts × steps
@@ -213,6 +334,49 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
         raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
                             f"client {task.cid}, {what}")
     return float(table.double().sum(0).mean())
+
+
+class PhasedUpdate(ClientUpdate):
+    """A round of several local loops, one after another on the same work module and in the
+    client's one random stream (FedRep: the head, then the body; Ditto: w, then v).
+    ``phase(index, task, done)`` gives phase ``index``'s loop and task from the round's task and
+    the results of the phases before it (None: the round is over), ``join`` the round's result
+    from the phases'. ``loops()`` names every loop a phase may run, and phase ``index`` runs the
+    same loop for every client: so a cohort (fedlt.algorithms.cohort) runs each phase for all of
+    its clients together."""
+
+    def loops(self) -> Sequence[ClientUpdate]:
+        raise NotImplementedError
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        raise NotImplementedError
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        raise NotImplementedError
+
+    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+        model = self.build(task) if model is None else model
+        done: list[ClientResult] = []
+        while (step := self.phase(len(done), task, done)) is not None:
+            update, phase_task = step
+            done.append(update(phase_task, model))
+        return self.join(task, done)
+
+
+@contextmanager
+def frozen(model: nn.Module, keys: Sequence[str]) -> Iterator[None]:
+    """The parameters named by ``keys`` out of training for the block (``requires_grad`` off, so
+    the loop's optimiser never sees them), then restored."""
+    params = dict(model.named_parameters())
+    saved = {k: params[k].requires_grad for k in keys if k in params}
+    for k in saved:
+        params[k].requires_grad_(False)
+    try:
+        yield
+    finally:
+        for k, flag in saved.items():
+            params[k].requires_grad_(flag)
 
 
 _PLAIN = ClientUpdate()
@@ -348,5 +512,5 @@ preset("fedvls", FedAvgFamily, "FedVLS: logit adjustment + vacant-class distilla
 preset("fedgrab", FedAvgFamily, "Fed-GraB: SGB re-weighting gated by the DPA prior of the received classifier.",
        loss="fedgrab")
 
-__all__ = ["client_update", "ClientUpdate", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
+__all__ = ["client_update", "ClientUpdate", "PhasedUpdate", "StepForward", "features_of", "frozen", "Strategy", "Federated", "FedAvgFamily", "NonFiniteLoss",
            "trainable_names"]

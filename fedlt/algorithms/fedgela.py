@@ -105,7 +105,8 @@ class GELAUpdate(ClientUpdate):
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         scale = local_adaptation(task.data.class_counts) / self.temperature
-        return {"scale": scale.float().to(task.data.x.device)}
+        like = next(model.parameters()).dtype  # the model's: a float64 run's Ew / T is not rounded to float32
+        return {"scale": scale.to(task.data.x.device, like)}
 
     def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:

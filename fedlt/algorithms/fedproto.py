@@ -29,12 +29,11 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import RunContext, build_aggregator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, Strategy
+from fedlt.algorithms.fedavg_family import OBJECTIVE, StepForward, Strategy
 from fedlt.algorithms.longtail import epoch_size
 from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.pfl import PERSONAL, PartsUpdate, Personalised, _keys_under
 from fedlt.algorithms.protocol import ClientResult, ClientTask
-from fedlt.algorithms.stateful import features_of
 from fedlt.context import RoundContext
 from fedlt.models import classifier, heads
 
@@ -107,11 +106,11 @@ class ProtoUpdate(PartsUpdate):
                 "sums": torch.zeros(c, d, dtype=torch.float64, device=device),
                 "counts": torch.zeros(c, dtype=torch.float64, device=device), "size": epoch_size(task), "seen": 0}
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features = True
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            logits = model(x)
-        h = upcast(seen[0])
+        logits, h = forward.logits, upcast(forward.features)
         if local["seen"] >= local["size"]:  # a new local epoch: the authors restart their prototypes
             local["sums"].zero_(), local["counts"].zero_()
             local["seen"] = 0
@@ -126,8 +125,9 @@ class ProtoUpdate(PartsUpdate):
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         own = set(bank_keys(model))
         kept = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in own}
-        extras = {"prototypes": class_means(local["sums"], local["counts"]).float(),
-                  "present": (local["counts"] > 0).float()}
+        like = local["prototypes"].dtype  # the model's: a float64 run's prototypes are not rounded to float32
+        extras = {"prototypes": class_means(local["sums"], local["counts"]).to(like),
+                  "present": (local["counts"] > 0).to(like)}
         return {PERSONAL: kept, "class_counts": task.data.class_counts.detach().clone()}, extras
 
 

@@ -31,7 +31,8 @@ from fedlt.algorithms import register
 from fedlt.bounds import MAX_EPOCHS, MAX_ROUNDS
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, RunContext, as_spec,
                                    build_aggregator, client_generator, upcast)
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Federated, Strategy, client_update
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, FedAvgFamily, Federated, StepForward, Strategy,
+                                            client_update)
 from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.protocol import ClientResult, ClientTask
 from fedlt.algorithms.recalibrate import Recalibrated, StepSpec
@@ -64,6 +65,11 @@ class WithHead:
     update: Any
     head: dict[str, Any]
     aux: bool = False
+
+    @property
+    def given_module(self) -> Any:
+        """What runs when the work module is given (a cohort's case): the wrapped update."""
+        return self.update
 
     def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
         if model is None:
@@ -224,11 +230,11 @@ class FedLFUpdate(ClientUpdate):
                 "counts": torch.zeros(len(centres), dtype=torch.float64, device=centres.device),
                 "size": epoch_size(task), "seen": 0, "means": None}
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features = True
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            model(x)
-        h, w = seen[0], classifier(model).weight
+        h, w = forward.features, forward.param(classifier(forward.model), "weight")
         parts = {OBJECTIVE: objective((h @ w.t()) * local["scale"], y, **extra)}
         if local["seen"] >= local["size"]:  # a new local epoch: the authors restart f_k
             local["sums"].zero_(), local["counts"].zero_()

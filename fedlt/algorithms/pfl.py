@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
@@ -39,10 +38,11 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, FedAvgFamily, PhasedUpdate, StepForward, Strategy,
+                                            frozen)
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientStates, ClientTask, State
-from fedlt.algorithms.stateful import add_to_grad, features_of
+from fedlt.algorithms.stateful import add_to_grad
 from fedlt.bounds import MAX_EPOCHS
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
@@ -82,21 +82,6 @@ def part_keys(model: nn.Module, part: str) -> list[str]:
     return [k for k in keys if (k in inside) == (part == "head")]
 
 
-@contextmanager
-def frozen(model: nn.Module, keys: Sequence[str]) -> Iterator[None]:
-    """The parameters named by ``keys`` out of training for the block (``requires_grad`` off, so
-    the loop's optimiser never sees them), then restored."""
-    params = dict(model.named_parameters())
-    saved = {k: params[k].requires_grad for k in keys if k in params}
-    for k in saved:
-        params[k].requires_grad_(False)
-    try:
-        yield
-    finally:
-        for k, flag in saved.items():
-            params[k].requires_grad_(flag)
-
-
 def _clone(state: State, keys: Sequence[str] | None = None) -> State:
     return {k: v.detach().clone() for k, v in state.items() if keys is None or k in keys}
 
@@ -120,14 +105,11 @@ class PartsUpdate(ClientUpdate):
     shared: str = "all"
     stream: str = ""
 
-    def build(self, task: ClientTask) -> nn.Module:
-        return place_model(task.context.model.build(), task.data.x.device)
+    def start(self, task: ClientTask) -> ClientTask:
+        return dataclasses.replace(task, weights=task.weights | task.state.get(PERSONAL, {}))
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = self.build(task) if model is None else model
-        start = task.weights | task.state.get(PERSONAL, {})
-        with frozen(model, part_keys(model, self.freeze)):
-            return super().__call__(dataclasses.replace(task, weights=start), model)
+    def frozen_keys(self, model: nn.Module) -> Sequence[str]:
+        return part_keys(model, self.freeze)
 
     def generator(self, task: ClientTask) -> torch.Generator:
         if not self.stream:
@@ -153,21 +135,31 @@ def _joined(first: ClientResult, second: ClientResult) -> ClientResult:
 
 
 @dataclass(frozen=True)
-class RepUpdate(PartsUpdate):
+class RepUpdate(PhasedUpdate):
     """FedRep's round: ``head_epochs`` epochs of the head with the body frozen (a stream of its
     own), then the round's schedule on the body with the head frozen; keeps the head, sends the body."""
 
+    keep: str = "head"
+    freeze: str = "none"
+    shared: str = "body"
     head_epochs: int = 1
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = self.build(task) if model is None else model
-        schedule = dataclasses.replace(task.schedule, epochs=self.head_epochs, iters=None)
-        head = PartsUpdate(keep="head", freeze="body", shared="body", stream="fedrep-head")
-        first = head(dataclasses.replace(task, schedule=schedule), model)
-        trained = _clone(model.state_dict())  # the head phase's model (BatchNorm statistics included)
-        body = PartsUpdate(keep="head", freeze="head", shared="body")
-        second = body(dataclasses.replace(task, weights=trained, state=first.state), model)
-        return _joined(first, second)
+    def loops(self) -> tuple[PartsUpdate, PartsUpdate]:
+        # the head phase sends nothing: its "upload" is its whole trained model (BatchNorm
+        # statistics included), where the body phase starts
+        return (PartsUpdate(keep="head", freeze="body", shared="all", stream="fedrep-head"),
+                PartsUpdate(keep="head", freeze="head", shared="body"))
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        head, body = self.loops()
+        if index == 0:
+            return head, dataclasses.replace(task, schedule=dataclasses.replace(task.schedule, epochs=self.head_epochs,
+                                                                                iters=None))
+        return (body, dataclasses.replace(task, weights=done[0].weights, state=done[0].state)) if index == 1 else None
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        return _joined(*done)
 
 
 class SharedStrategy(Strategy):
@@ -376,11 +368,12 @@ class RoDUpdate(PartsUpdate):
     def build(self, task: ClientTask) -> nn.Module:
         return place_model(with_dual_head(task.context.model.build()), task.data.x.device)
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features = True
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            z = upcast(model(x))
-        personal = upcast(classifier(model).personal(seen[0].detach()))
+        z = upcast(forward.logits)
+        personal = upcast(forward.call(classifier(forward.model).personal, forward.features.detach()))
         return {OBJECTIVE: objective(z, y, **extra),
                 PERSONAL_HEAD_TERM: F.cross_entropy(z.detach() + personal, y)}
 
@@ -437,21 +430,26 @@ class ProximalUpdate(ClientUpdate):
 
 
 @dataclass(frozen=True)
-class DittoUpdate(ClientUpdate):
+class DittoUpdate(PhasedUpdate):
     """Ditto's round (Li et al., ICML 2021, Algorithm 1): w_k by the local loop from the received
     w (sent for averaging), then the personal v from the client's own (the initial model the first
     time) by the same loop, on the same minibatches, with the gradient of (λ/2)‖v − w‖² added."""
 
     lam: float
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        model = place_model(task.context.model.build(), task.data.x.device) if model is None else model
-        result = super().__call__(task, model)
+    def loops(self) -> tuple[ClientUpdate, ProximalUpdate]:
+        return ClientUpdate(), ProximalUpdate(self.lam)
+
+    def phase(self, index: int, task: ClientTask,
+              done: Sequence[ClientResult]) -> tuple[ClientUpdate, ClientTask] | None:
+        shared, personal = self.loops()
+        if index == 0:
+            return shared, task
         own = task.state.get(PERSONAL) or task.payload["init"]
-        personal = ProximalUpdate(self.lam)(
-            dataclasses.replace(task, weights=own, payload={"anchor": task.weights}), model)
-        result.state = result.state | personal.state
-        return result
+        return (personal, dataclasses.replace(task, weights=own, payload={"anchor": task.weights})) if index == 1 else None
+
+    def join(self, task: ClientTask, done: Sequence[ClientResult]) -> ClientResult:
+        return dataclasses.replace(done[0], state=done[0].state | done[1].state)
 
 
 class InitStrategy(SharedStrategy):

@@ -228,7 +228,7 @@ def uploaded(task: ClientTask, result: ClientResult) -> ClientResult:
     """The result as the client sends it: under the task's upload plan, its update Δ = θ − w
     clipped, compressed, noised or masked (fedlt.privacy.upload), the transforms' state kept in
     the client's state under ``"upload"``."""
-    if task.upload is None:
+    if task.upload is None or not task.upload.changes_upload:
         return result
     kept, packed, chain_state = client_upload(
         task.upload, task.weights, result.weights, task.state.get("upload", {}), cid=task.cid,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -104,12 +104,11 @@ class StepUpdate(ClientUpdate):
     when the task asks only for them (``collect``)."""
 
     step: dict[str, Any] = field(default_factory=dict)
+    trains_in_the_loop: ClassVar[bool] = True  # its training is ClientUpdate.__call__ (DP-SGD applies)
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+    def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
         if not task.payload.get("collect"):
-            return super().__call__(task, model)
-        if model is None:
-            model = task.context.model.build().to(task.data.x.device)
+            return None
         model.load_state_dict(task.weights)
         stats = collect(build_step(self.step), task, model)
         return ClientResult(task.cid, {}, len(task.data), 0, 0.0, task.state, extras={KEY: stats})

@@ -22,8 +22,7 @@ classifier (``fedlt.models.classifier``), read by a forward pre-hook: see ``feat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -31,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from torch.func import functional_call
 
 from fedlt.algorithms import preset, register
 from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, upcast
-from fedlt.algorithms.fedavg_family import ClientUpdate, FedAvgFamily, Strategy, trainable_names
+# features_of is re-exported: its users import it from here
+from fedlt.algorithms.fedavg_family import (ClientUpdate, FedAvgFamily, StepForward, Strategy,  # noqa: F401
+                                            features_of, trainable_names)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State
 from fedlt.context import RoundContext
-from fedlt.models import classifier, eval_mode
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -205,19 +204,6 @@ class FedDyn(FedAvgFamily):
 
 
 # -- representation hook (MOON, FedDecorr) ----------------------------------------------------
-@contextmanager
-def features_of(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collects, flattened to B×d, the input of the model's classifier on every forward inside
-    the block (also through ``functional_call`` with other weights): the representation h of the
-    papers, with no change to the model or to what it computes."""
-    seen: list[torch.Tensor] = []
-    handle = classifier(model).register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
 # -- MOON -------------------------------------------------------------------------------------
 def contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor,
                      temperature: float) -> torch.Tensor:
@@ -237,15 +223,15 @@ class MoonUpdate(ClientUpdate):
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         return task.weights, task.state.get("previous") or task.weights
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features = True
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         received, previous = local
-        with features_of(model) as seen:
-            parts = super().parts(local, model, objective, x, y, extra)
-            with torch.no_grad(), eval_mode(model):  # the two reference models as evaluated
-                functional_call(model, received, (x,))
-                functional_call(model, previous, (x,))
-        z, z_global, z_previous = (upcast(t) for t in seen)  # bf16 under autocast: the term in float32
+        parts = super().terms(local, forward, objective, y, extra)
+        # the two reference models as evaluated; bf16 under autocast: the term in float32
+        z, z_global, z_previous = (upcast(t) for t in (forward.features, forward.reference(received),
+                                                        forward.reference(previous)))
         contrastive = contrastive_loss(z, z_global, z_previous, self.temperature)
         return parts | {f"MOON's contrastive term (mu={self.mu:g}, temperature={self.temperature:g})": self.mu * contrastive}
 
@@ -284,12 +270,17 @@ def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 @dataclass(frozen=True)
 class DecorrUpdate(ClientUpdate):
     beta: float
+    features = True
+    # measured: check_cohort's epochs schedule (batches of 8) ends 2.2 % apart in the weights
+    cohort_refusal = ("FedDecorr's standardisation z/√(var + 1e-8) magnifies the batched forward's float "
+                      "rounding up to 10⁴× on a feature nearly constant over the batch (2.2 % weight gap "
+                      "after two rounds): the cohort would not equal the sequential run")
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            parts = super().parts(local, model, objective, x, y, extra)
-        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})": self.beta * decorrelation_loss(upcast(seen[0]))}
+        parts = super().terms(local, forward, objective, y, extra)
+        return parts | {f"FedDecorr's decorrelation term (beta={self.beta:g})":
+                        self.beta * decorrelation_loss(upcast(forward.features))}
 
 
 class FedDecorr(FedAvgFamily):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fedlt.losses import register
 from fedlt.losses.fused.parts import OffsetCE
 from fedlt.losses.base import (
+    one_hot,
     DeviceCache,
     LossTerm,
     as_counts,
@@ -44,7 +45,7 @@ def offset_ce_loss_excluding_target(
     A sample whose denominator is empty (no other class present) contributes 0.
     """
     adjusted = logits + offset
-    is_target = F.one_hot(targets, logits.shape[1]).bool()
+    is_target = one_hot(targets, logits.shape[1])
     others = adjusted.masked_fill(is_target, float("-inf"))
     empty = ~torch.isfinite(others).any(dim=1)
     # Rows with nothing left would give logsumexp(−inf…) = −inf and NaN gradients through

@@ -32,6 +32,12 @@ CLIENT_KEYS = ("class_counts", "global_params", "seed")
 SETUP_KEYS = CLIENT_KEYS + tuple(k for k in ROUND_FIELDS if k not in CLIENT_KEYS)
 
 
+def one_hot(targets: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The (…, C) boolean mask of ``targets``: ``F.one_hot(targets, C).bool()`` without its range
+    check, whose host synchronisation ``vmap`` cannot take (DP-SGD's per-sample gradients)."""
+    return targets.unsqueeze(-1) == torch.arange(num_classes, device=targets.device)
+
+
 class LossTerm:
     """Base class of every loss term: the calling convention, state and arithmetic.
 

@@ -16,7 +16,7 @@ from fedlt.errors import FedltError
 from fedlt.losses import register
 from fedlt.losses.fused import dispatch
 from fedlt.datasets.source import to_device
-from fedlt.losses.base import DeviceCache, LossTerm, as_vector, check_batch, check_choice, check_number, fail
+from fedlt.losses.base import one_hot, DeviceCache, LossTerm, as_vector, check_batch, check_choice, check_number, fail
 
 _PER_CLASS_KEYS = ("pos", "neg", "u", "e1", "e2")
 
@@ -41,7 +41,7 @@ def sgb_base_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, base: st
     with torch.no_grad():
         z = logits.detach()
         B, C = z.shape
-        onehot = (F.one_hot(targets, C) if is_target is None else is_target).to(z.dtype)
+        onehot = (one_hot(targets, C) if is_target is None else is_target).to(z.dtype)
         if base == "sigmoid":
             value = F.binary_cross_entropy_with_logits(z, onehot, reduction="sum") / B
             grad = (torch.sigmoid(z) - onehot) / B
@@ -56,7 +56,7 @@ def sgb_reference(logits: torch.Tensor, targets: torch.Tensor, w_pos: torch.Tens
     """SGB's steps 4–6 (the ground truth): the unweighted base loss, g' = g·(w_pos at the target,
     w_neg elsewhere) and the collector's sums Σ_{y_i=c}|g'_ic|, Σ_{y_i≠c}|g'_ic| (float64, before
     gating)."""
-    is_target = F.one_hot(targets, logits.shape[1]).bool()
+    is_target = one_hot(targets, logits.shape[1])
     value, grad = sgb_base_loss_and_grad(logits, targets, base, is_target)
     weights = torch.where(is_target, w_pos.unsqueeze(0), w_neg.unsqueeze(0))
     grad = grad * weights.to(grad.dtype)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from fedlt.losses import register
 from fedlt.losses.adjust import LogitAdjust
 from fedlt.losses.base import (
+    one_hot,
     DeviceCache,
     LossTerm,
     as_counts,
@@ -40,10 +41,10 @@ def vacant_kd_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, vacant: t
 def logit_suppression_reference(logits: torch.Tensor, targets: torch.Tensor,
                                 p: torch.Tensor) -> torch.Tensor:
     """FedVLS's published code: 0.005·Σ_c p_c·s_c, s_c = logsumexp_i A[c,i] − log B, with
-    A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C) if y_i ≠ c else 0 (an entry of 0, not −inf)."""
+    A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C + 1e-9) if y_i ≠ c else 0 (an entry of 0, not −inf)."""
     B, C = logits.shape
-    A = logits - torch.log(p + 1e-9) + math.log(1.0 / C)
-    A = A.masked_fill(F.one_hot(targets, C).bool(), 0.0)
+    A = logits - torch.log(p + 1e-9) + math.log(1.0 / C + 1e-9)  # their log(balanced_prior + 1e-9)
+    A = A.masked_fill(one_hot(targets, C), 0.0)
     s = torch.logsumexp(A, dim=0) - math.log(B)
     return 0.005 * (p * s).sum()
 
@@ -53,7 +54,7 @@ def logit_suppression_paper(logits: torch.Tensor, targets: torch.Tensor,
     """FedVLS eqs. 4–5: Σ_c p_c·log((1/B)·Σ_i 1[y_i ≠ c]·e^{z_ic}); a class with no sample of
     another label in the batch contributes 0."""
     B, C = logits.shape
-    own = F.one_hot(targets, C).bool()
+    own = one_hot(targets, C)
     has_other = (~own).any(dim=0)
     masked = logits.masked_fill(own, float("-inf"))
     # Classes with no other-label sample are computed on zeros and discarded, so neither their
@@ -126,7 +127,7 @@ class LogitSuppression(LossTerm):
 
     ``variant="reference"`` (default; what produced the paper's numbers):
     0.005·Σ_c p_c·s_c with s_c = logsumexp_i A[c,i] − log B,
-    A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C) when y_i ≠ c and 0 when y_i = c.
+    A[c,i] = z_ic − log(p_c + 1e-9) + log(1/C + 1e-9) when y_i ≠ c and 0 when y_i = c.
     ``variant="paper"`` (eqs. 4–5): Σ_c p_c·log((1/B)·Σ_i 1[y_i ≠ c]·e^{z_ic}); unbounded below
     (all logits can drop together), for fidelity studies.
 

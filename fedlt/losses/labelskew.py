@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from fedlt.losses import register
 from fedlt.losses.adjust import ce_loss
 from fedlt.losses.base import (
+    one_hot,
     DeviceCache,
     LossTerm,
     as_counts,
@@ -142,7 +143,7 @@ class FedNTD(LossTerm):
                  params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         check_batch(self.name, logits, targets)
         teacher_logits = _check_teacher(self.name, logits, teacher_logits)
-        not_true = ~F.one_hot(targets, logits.shape[1]).bool()
+        not_true = ~one_hot(targets, logits.shape[1])
         kd = masked_kd_loss(logits, teacher_logits, not_true, not_true, self.tau)
         return ce_loss(logits, targets) + self.beta * kd
 
@@ -187,7 +188,7 @@ class FedLMD(LossTerm):
                  params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         check_batch(self.name, logits, targets, self.num_classes)
         teacher_logits = _check_teacher(self.name, logits, teacher_logits)
-        not_true = ~F.one_hot(targets, logits.shape[1]).bool()
+        not_true = ~one_hot(targets, logits.shape[1])
         minor = ~self._major.get(logits.device, torch.bool)
         kd = masked_kd_loss(logits, teacher_logits, not_true, not_true & minor, self.tau)
         return ce_loss(logits, targets) + self.beta * kd

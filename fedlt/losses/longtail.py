@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fedlt.losses import register
 from fedlt.losses.adjust import offset_ce_loss
 from fedlt.losses.base import (
+    one_hot,
     DeviceCache,
     LossTerm,
     as_counts,
@@ -31,7 +32,7 @@ _EQL_KEYS = ("pos", "neg", "pos_neg")
 def margin_ce_loss(logits: torch.Tensor, targets: torch.Tensor, margin: torch.Tensor, s: float,
                    weight: torch.Tensor | None) -> torch.Tensor:
     """CE(s·(z − m_y·onehot(y)), y), weighted mean by ``weight`` when given (LDAM)."""
-    shifted = logits - F.one_hot(targets, logits.shape[1]).to(logits.dtype) * margin.index_select(
+    shifted = logits - one_hot(targets, logits.shape[1]).to(logits.dtype) * margin.index_select(
         0, targets).unsqueeze(1)
     if weight is None:
         return F.cross_entropy(s * shifted, targets)
@@ -59,7 +60,7 @@ def eqlv2_weights(pos_neg: torch.Tensor, gamma: float, mu: float,
 def gcl_loss(logits: torch.Tensor, targets: torch.Tensor, cloud: torch.Tensor, noise: torch.Tensor,
              m: float, s: float) -> torch.Tensor:
     """CE(s·(z − noise ⊙ cloud − m·onehot(y)), y), ``noise`` B×C ≥ 0, ``cloud`` per class (GCL)."""
-    shifted = logits - noise * cloud - m * F.one_hot(targets, logits.shape[1]).to(logits.dtype)
+    shifted = logits - noise * cloud - m * one_hot(targets, logits.shape[1]).to(logits.dtype)
     return F.cross_entropy(s * shifted, targets)
 
 
@@ -267,7 +268,7 @@ class EQLv2(LossTerm):
             self._s = {k: v.to(logits.device) for k, v in self._s.items()}
         s = self._s
         w_pos, w_neg = eqlv2_weights(s["pos_neg"], self.gamma, self.mu, self.alpha)
-        is_target = F.one_hot(targets, C).bool()
+        is_target = one_hot(targets, C)
         weight = torch.where(is_target, w_pos.unsqueeze(0), w_neg.unsqueeze(0))
         onehot = is_target.to(logits.dtype)
         value = (weight.to(logits.dtype)

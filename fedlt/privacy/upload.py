@@ -29,17 +29,25 @@ State = dict[str, torch.Tensor]
 @wire.register
 @dataclass(frozen=True)
 class UploadPlan:
-    """The round's instructions for every participant's upload.
+    """The round's instructions for every participant's training and upload.
 
     ``transforms``: the ``--upload`` chain's specs; ``clip``: DP's clip norm C of this round
     (applied first; the client reports whether it was under it); ``noise_std``: local DP's σC
-    (applied last); ``secure``: mask the upload (weighted by ``|D_k|``, or 1 when ``uniform``)."""
+    (applied last); ``secure``: mask the upload (weighted by ``|D_k|``, or 1 when ``uniform``);
+    ``sample_level``: (C, σ) of DP-SGD in the client's local training (fedlt.privacy.dpsgd)."""
 
     transforms: tuple = ()
     clip: float | None = None
     noise_std: float | None = None
     secure: bool = False
     uniform: bool = False
+    sample_level: tuple | None = None
+
+    @property
+    def changes_upload(self) -> bool:
+        """Whether the update is transformed, clipped, noised or masked on its way (not under
+        sample-level DP alone: the trained weights go as they are)."""
+        return bool(self.transforms or self.clip is not None or self.noise_std is not None or self.secure)
 
     def chain(self) -> Chain:
         head = [Clip(norm=self.clip)] if self.clip is not None else []

@@ -79,7 +79,7 @@ class RoundLoop:
         self.out = Path(config.out)
         self.on_round, self.stop_requested = on_round, stop_requested
         self.device = torch.device(config.device)
-        self.uploads = UploadRunner(runner, UploadSettings.of(config))  # upload plan, bytes, DP, secure aggregation
+        self.uploads = UploadRunner(runner, UploadSettings.of(config, prep.train_sizes))  # upload plan, bytes, DP, secure aggregation
         self.uploads.load_state_dict(state.uploads)
         self.checkpoints = Checkpoints(self.out, config, prep, state, server=self.uploads)
         self.availability = from_spec(fedlt.availability.REGISTRY, config.availability)
@@ -90,11 +90,14 @@ class RoundLoop:
         self.evaluator = Evaluator(prep, overlapped=bool(getattr(runner, "overlaps_evaluation", False)),
                                    clients=ClientEvaluation(prep, self.policy, state.client_states, self.source))
         self.trained = state.round  # rounds trained; one ahead of state.round while a round is evaluated
+        self._budget_checked: tuple[int, bool] | None = None  # (round, spent): the budget's last answer
 
     def run(self) -> None:
         try:
             with stop_on_signal(self.state):
                 while self.trained < self.config.rounds:
+                    if self.budget_spent(self.trained):
+                        break
                     started = time.perf_counter()
                     chosen = self.sample(self.trained)
                     row = self.train(self.trained, chosen)
@@ -181,7 +184,7 @@ class RoundLoop:
         whatever rows are finished are recorded, the previous round's first."""
         trained, c = self.trained, self.config
         train_s = time.perf_counter() - started
-        evaluated = trained % c.eval_every == 0 or trained == c.rounds
+        evaluated = trained % c.eval_every == 0 or trained == c.rounds or self.budget_spent(trained)
         self.record(self.settle())
         snapshot = self.snapshot if trained % c.checkpoint_every == 0 else None
         try:
@@ -217,6 +220,29 @@ class RoundLoop:
             if state.checkpoint_round != state.round:
                 self.checkpoints.save()
             raise RunStopped(state.stop_signal, state.round, self.out)
+
+    # -- the privacy budget -----------------------------------------------------------------------
+    def budget_spent(self, r: int) -> bool:
+        """Whether round ``r`` (from 0) would take the run's ε past ``stop_at_epsilon`` were its
+        participants to train as planned; said once, in one line. A run whose first round alone
+        would is refused."""
+        budget = self.config.stop_at_epsilon
+        if budget is None or r >= self.config.rounds:
+            return False
+        if self._budget_checked is not None and self._budget_checked[0] == r:
+            return self._budget_checked[1]
+        c = self.config
+        chosen = parts.sample_clients(c.clients, c.participation, c.seeds.sampling, r)
+        after = self.uploads.prospective_epsilon(chosen)
+        spent = after > budget
+        if spent and r == 0:
+            raise FedltError(f"stop_at_epsilon: the first round alone would spend ε = {after:.4g} > {budget:g} "
+                             "(raise the budget or the noise multiplier)")
+        if spent and (self._budget_checked is None or self._budget_checked[0] != r):
+            LOG.warning(f"fedlt: stopped after round {r}: round {r + 1} would take ε from "
+                        f"{self.uploads.accountant.epsilon():.4g} to {after:.4g}, past the budget {budget:g}")
+        self._budget_checked = (r, spent)
+        return spent
 
     # -- helpers ----------------------------------------------------------------------------------
     def settle(self) -> Finished | None:
@@ -296,7 +322,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
             bind = getattr(runner, "bind", None)
             if bind is not None:  # a runner with processes of its own (fedlt.parallel) gets the run's parts once
                 bind(prep)
-            fallback = cohort_fallback(runner, prep.algorithm, config.cohort)
+            fallback = cohort_fallback(runner, prep.algorithm, config.cohort,
+                                       sample_level=(config.privacy or {}).get("name") == "sample_level")
             if fallback is not None:  # said once, before the first round (and kept in summary.json)
                 LOG.warning(f"fedlt: --cohort {config.cohort} falls back to one client at a time: {fallback}")
             if config.compile:  # what --compile does here, said once (docs/gpu.md#compiled-steps)
@@ -335,7 +362,7 @@ def summarise(state: RunState, config: RunConfig, prep: parts.Prepared) -> dict[
                  | {"per_class_accuracy": final["per_class_accuracy"]},
         "best": {"round": best["round"], "accuracy": best["accuracy"], "balanced_accuracy": best["balanced_accuracy"]},
         "wall_time_s": round(state.wall_time, 3),
-    } | upload_summary(state.metrics, config) | per_client_summaries(evaluated, config)
+    } | upload_summary(state.metrics, config, prep.train_sizes) | per_client_summaries(evaluated, config)
     warnings = ([f"no round trained: all {state.round} rounds were short and skipped (on_short=skip), so every "
                  "number is the initial model's"] if skipped == state.round else [])
     warnings += [f"{mode}: no client evaluated, {why}" for mode, why in unevaluated(evaluated[-1], config, prep)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from fedlt.algorithms import compiled
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
+from fedlt.algorithms.private import check_sample_level
 from fedlt.config import RunConfig
 from fedlt.context import ModelSpec
 from fedlt.datasets.base import InMemoryDataset
@@ -103,12 +105,18 @@ class Prepared:
     algorithm: Any
     ctx: RunContext
     client_tests: fedlt.client_tests.ClientTestSets | None = None  # each client's own test set (client_test)
+    server: "ServerHoldout | None" = None  # training images held out for the server (FEDIC's proxy set)
 
     @property
     def train_indices(self) -> list[np.ndarray]:
         """Each client's training samples: the partition's, less what a ``holdout`` carved out."""
         held = self.client_tests
         return self.partition.client_indices if held is None or held.train_indices is None else held.train_indices
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """|D_k| of every client that trains (sample-level DP's accountant)."""
+        return [len(i) for i in self.train_indices[:self.config.clients]]
 
     @property
     def new_clients(self) -> list[int]:
@@ -126,7 +134,51 @@ class Prepared:
         clients' ids."""
         extra = {} if self.client_tests is None else {"client_test": self.client_tests.manifest}
         new = {"new_clients": self.new_clients} if self.new_clients else {}
-        return self.partition.manifest | extra | new
+        server = {} if self.server is None else {"server_data": self.server.manifest()}
+        return self.partition.manifest | extra | new | server
+
+
+@dataclass(frozen=True)
+class ServerHoldout:
+    """Training images the server holds and no client ever sees (an algorithm's
+    ``server_data_per_class``, e.g. FEDIC's proxy set): per class, the first ``per_class`` of a
+    permutation of its training samples drawn from the data seed, taken out of the training set
+    before it is partitioned. ``rows`` index the training set as loaded (after ``train_limit``)."""
+
+    per_class: int
+    rows: np.ndarray
+    x: Any
+    y: torch.Tensor
+
+    def manifest(self) -> dict[str, Any]:
+        return {"per_class": self.per_class, "indices": self.rows.tolist(),
+                "sha256": hashlib.sha256(self.rows.astype(np.int64).tobytes()).hexdigest()}
+
+    def on(self, device: torch.device, num_classes: int) -> ClientData:
+        """The held-out images as the server's data (client id -1), on ``device``."""
+        counts = torch.bincount(self.y, minlength=num_classes)
+        return ClientData(-1, images(self.x).to(device), self.y.to(device), counts.to(device))
+
+
+def hold_out(data: InMemoryDataset, per_class: int, seed: int, what: str = "server_data_per_class"
+             ) -> tuple[InMemoryDataset, ServerHoldout]:
+    """``data`` less ``per_class`` training images of each class (see :class:`ServerHoldout`),
+    and those images; a class left with no training image is refused (``what``: the setting, named)."""
+    labels = data.y_train.numpy()
+    rng = np.random.default_rng([seed, 0x5E4D])
+    taken = []
+    for c in range(data.num_classes):  # one draw per class, in class order
+        own = np.flatnonzero(labels == c)
+        if 0 < len(own) <= per_class:
+            raise FedltError(f"{what}: holding {per_class} images of each class out for the server would take all "
+                             f"{len(own)} training images of class {c} from the clients: lower it (or raise train_limit)")
+        taken.append(rng.permutation(own)[:per_class])
+    rows = np.sort(np.concatenate(taken)).astype(np.int64)
+    keep = np.setdiff1d(np.arange(len(labels)), rows)
+    kept, held = torch.as_tensor(keep), torch.as_tensor(rows)
+    reduced = dataclasses.replace(data, x_train=images(data.x_train).subset(kept), y_train=data.y_train[kept],
+                                  groups_train=None if data.groups_train is None else data.groups_train[kept])
+    return reduced, ServerHoldout(per_class, rows, images(data.x_train).subset(held), data.y_train[held])
 
 
 def make_client_tests(config: RunConfig, data: InMemoryDataset, partition: Any) -> Any:
@@ -139,7 +191,7 @@ def make_client_tests(config: RunConfig, data: InMemoryDataset, partition: Any) 
 
 
 def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, counts: torch.Tensor,
-                augment: list) -> RunContext:
+                augment: list, server: ServerHoldout | None = None) -> RunContext:
     device = torch.device(config.device)
     return RunContext(
         num_classes=model_spec.num_classes, input_shape=input_shape, build_model=model_spec.build,
@@ -150,6 +202,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         fused=config.fused, num_clients=config.clients, rounds=config.rounds, augment=tuple(augment),
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
         drop_last=config.drop_last,  # issue 41
+        server_data=None if server is None else server.on(device, model_spec.num_classes),
         compile=compiled.BACKEND if config.compile else None,  # issue 43 (docs/gpu.md#compiled-steps)
     )
 
@@ -158,6 +211,11 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     """The run's parts; ``data``: a worker process gets the run's, in shared memory."""
     fresh = data is None
     data = load_data(config) if data is None else data
+    algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
+    server = None
+    per_class, what = fedlt.algorithms.server_data_per_class(algorithm)
+    if per_class and fresh:  # a worker process gets the run's data with the server's images already out
+        data, server = hold_out(data, per_class, config.seeds.data, f"{config.algorithm}'s {what}")
     # augmentation: normalize()'s statistics come from the training set, the model is built for the
     # pipeline's output, and the test set gets its evaluation form (resize, crops, normalize) once
     augment = fedlt.augment.fit(config.augment, data.x_train)
@@ -176,17 +234,17 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
         raise FedltError(f"the partition has {counts.shape[1]} classes but {config.dataset} has {data.num_classes}")
     model_spec = ModelSpec(config.model, input_shape[0], data.num_classes, input_shape[-1])
     training = counts[:config.clients]  # what the federation trains on: the new clients' parts aside
-    ctx = run_context(config, model_spec, input_shape, training, augment)
+    ctx = run_context(config, model_spec, input_shape, training, augment, server)
     fedlt.models.check_fits(config.model, in_chans=input_shape[0], num_classes=data.num_classes,
                             image_size=input_shape[-1])  # one sample's shape through the model, on meta
     with torch.device("meta"):  # the layer structure without allocating the weights
         check_split_point(model_spec.build(), config)
-    algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
     with torch.random.fork_rng(devices=[]):  # the model seed alone decides the initial weights
         torch.manual_seed(config.seeds.model)
         algorithm.setup(ctx)  # builds (and splits) the model: a split point of other models is checked here
+    check_sample_level(config, algorithm)  # DP-SGD needs a standard local step on a model without BatchNorm
     return Prepared(config, data, partition, counts, group_classes(training.sum(0).numpy(), config), algorithm, ctx,
-                    client_tests)
+                    client_tests, server)
 
 
 def rebuild(config_json: str, partition: Any, data: InMemoryDataset | None = None) -> Prepared:
@@ -288,7 +346,7 @@ def client_state_template(prep: Prepared, round_index: int) -> dict[str, Any]:
     states = ClientStates()
     # the upload plan keeps its transforms' state (an error-feedback residual) in the client's: the
     # run's own plan (its clip, noise and masks decide the chain's layout)
-    runner = UploadRunner(LocalRunner(), UploadSettings.of(config))
+    runner = UploadRunner(LocalRunner(), UploadSettings.of(config, prep.train_sizes))
     try:
         train_round(algorithm, prep.ctx, round_index, [client_data(prep, cid, torch.device(config.device))],
                     states, runner)

@@ -99,7 +99,9 @@ def head_state(head: nn.Module) -> Head:
 
 
 @contextmanager
-def _inputs_of(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+def classifier_inputs(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within the block, each forward through ``head`` appends its input (flattened to B×d) to
+    the yielded list: a model's features for whatever runs it (``model(x)``, ``functional_call``)."""
     seen: list[torch.Tensor] = []
     handle = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
     try:
@@ -114,7 +116,7 @@ def features(model: nn.Module, batches: Batches) -> tuple[torch.Tensor, torch.Te
     running statistics, as both authors' codes extract features)."""
     head = fedlt.models.classifier(model)
     xs, ys = [], []
-    with fedlt.models.eval_mode(model), _inputs_of(head) as seen:
+    with fedlt.models.eval_mode(model), classifier_inputs(head) as seen:
         for x, y in batches:
             model(x)
             xs.append(seen.pop()), ys.append(y)

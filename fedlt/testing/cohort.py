@@ -88,8 +88,8 @@ def check_cohort(algorithm: Any, params: dict[str, Any] | None = None, *, size: 
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-cohort-") as tmp:
         c = Contract(f"algorithm {name!r}")
-        base = dict(TINY, model="mlp", clients=5, participation=1.0, fused="off", **settings, algorithm=name,
-                    algorithm_params=dict(params or {}), out=Path(tmp) / "run")
+        base = dict(TINY | {"model": "mlp", "clients": 5, "participation": 1.0, "fused": "off"} | settings,
+                    algorithm=name, algorithm_params=dict(params or {}), out=Path(tmp) / "run")
         for label, schedule in SCHEDULES.items():
             config = RunConfig(**(base | schedule))
             with c.property("same as sequential", label):

@@ -167,8 +167,12 @@ def audit_round(config: RunConfig, rounds: int = 2, local_iters: tuple[int, ...]
 
 def _audit(prep: Any, config: RunConfig, rounds: int, local_iters: int) -> DeviceAudit:
     with on_pretend_device() as audit:
+        server = prep.ctx.server_data  # the server's held-out images (FEDIC's proxy set), placed as run_context does
+        if server is not None:
+            server = ClientData(server.cid, images(server.x).to(PRETEND), server.y.to(PRETEND),
+                                server.class_counts.to(PRETEND))
         ctx = dataclasses.replace(prep.ctx, device=PRETEND, local_iters=local_iters,
-                                  global_counts=prep.ctx.global_counts.to(PRETEND))
+                                  global_counts=prep.ctx.global_counts.to(PRETEND), server_data=server)
         torch.manual_seed(config.seeds.model)
         algorithm = fedlt.algorithms.create(config.algorithm, **config.algorithm_params)
         algorithm.setup(ctx)

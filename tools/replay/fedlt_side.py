@@ -20,11 +20,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from fedlt.algorithms import fedavg_family
-from fedlt.algorithms.base import client_generator
-from fedlt.algorithms.protocol import ClientStates
+from fedlt.algorithms.base import ClientData, client_generator
+from fedlt.algorithms import personal
+from fedlt.algorithms.personal import EvalTask, evaluate_client, stream_seed
+from fedlt.algorithms.protocol import CLIENT_CALLS, ClientStates
 from fedlt.config import RunConfig
 from fedlt.losses import fedgrab as fedgrab_losses
+from fedlt.models import eval_mode
 from fedlt.run import parts
 
 CLASSES = 10
@@ -67,9 +69,11 @@ class RoundRecord:
 
 
 class Recorder:
-    """Patches, for the duration of a ``with``: the FedAvg family's client call (to know whose
-    steps run and to keep its result) and SGB's call (to record the gates it draws: the same
-    ``torch.rand`` from a copy of its generator, compared with its prior, as the call itself does)."""
+    """Patches, for the duration of a ``with``: the per-participant client call (``CLIENT_CALLS
+    ["work"]``, what every runner calls once per participant: to know whose steps run and to keep
+    its whole result — FedRep's two phases and Ditto's two passes inside it are one result) and
+    SGB's call (to record the gates it draws: the same ``torch.rand`` from a copy of its generator,
+    compared with its prior, as the call itself does)."""
 
     def __init__(self) -> None:
         self.cid: int | None = None
@@ -79,15 +83,13 @@ class Recorder:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator["Recorder"]:
-        call, sgb_call = fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__
+        work, sgb_call = CLIENT_CALLS["work"], fedgrab_losses.SGB.__call__
         recorder = self
 
-        def client_call(update, task, model=None):
+        def client_work(algorithm, task):
             recorder.cid = task.cid
-            result = call(update, task, model)
-            # the first call of the round is the client's own; a second (Ditto's personal pass) is
-            # inside it and is merged into the first's result by the caller
-            recorder.results.setdefault(task.cid, result)
+            result = work(algorithm, task)
+            recorder.results[task.cid] = result
             return result
 
         def sgb(term, logits, targets, **kw):
@@ -99,11 +101,11 @@ class Recorder:
                 recorder.priors[recorder.cid] = term._prior.vec.clone()
             return sgb_call(term, logits, targets, **kw)
 
-        fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__ = client_call, sgb
+        CLIENT_CALLS["work"], fedgrab_losses.SGB.__call__ = client_work, sgb
         try:
             yield self
         finally:
-            fedavg_family.ClientUpdate.__call__, fedgrab_losses.SGB.__call__ = call, sgb_call
+            CLIENT_CALLS["work"], fedgrab_losses.SGB.__call__ = work, sgb_call
 
     def take(self) -> tuple[dict, dict, dict]:
         out = self.results, self.gates, self.priors
@@ -122,6 +124,9 @@ class FedltSide:
             data = self.prep.data
             self.prep = dataclasses.replace(self.prep, data=dataclasses.replace(
                 data, x_train=data.x_train.to(dtype), x_test=data.x_test.to(dtype)))
+            server = self.prep.ctx.server_data  # held-out images (FEDIC), in place: the algorithm holds this context
+            if server is not None:
+                self.prep.ctx.server_data = dataclasses.replace(server, x=server.x.to(dtype))
         self.states = ClientStates()
         self.device = torch.device("cpu")
 
@@ -131,11 +136,42 @@ class FedltSide:
     def client(self, cid: int):
         return parts.client_data(self.prep, cid, self.device)
 
-    def batches(self, cid: int, round_index: int) -> list[torch.Tensor]:
-        """The minibatch indices client ``cid`` trains on in ``round_index`` (its schedule, its stream)."""
+    def batches(self, cid: int, round_index: int, stream: str = "", epochs: int | None = None) -> list[torch.Tensor]:
+        """The minibatch indices client ``cid`` trains on in ``round_index``: the round's schedule
+        and stream, or a phase's own (``stream``, as ``stream_seed`` names it: FedRep's
+        "fedrep-head", a fine-tune's "finetune") over ``epochs`` epochs."""
         data = self.client(cid)
         schedule = self.prep.ctx.schedule(self.config.batch_size)
-        return list(schedule.batches(len(data), client_generator(self.config.seeds.sampling, round_index, cid)))
+        if stream:
+            schedule = dataclasses.replace(schedule, epochs=epochs, iters=None)
+            seed = stream_seed(self.config.seeds.sampling, round_index, cid, stream)
+            generator = torch.Generator().manual_seed(seed % (2**63))
+        else:
+            generator = client_generator(self.config.seeds.sampling, round_index, cid)
+        return list(schedule.batches(len(data), generator))
+
+    def personal_scores(self, cid: int, round_index: int) -> tuple[int, torch.Tensor]:
+        """Client ``cid``'s personal model after ``round_index`` on the replay's test set, as
+        fedlt's per-client evaluation builds and scores it (``evaluate_client``, mode
+        ``personal``): its correct count and its logits."""
+        algorithm, prep = self.prep.algorithm, self.prep
+        x, y = prep.data.x_test, prep.data.y_test
+        test = ClientData(cid, x, y, torch.bincount(y, minlength=CLASSES))
+        probe = ClientData(cid, torch.empty(0), torch.empty(0), prep.counts[cid])
+        task = EvalTask(cid, prep.ctx.round(round_index, [probe]), self.initial_weights(), self.states.get(cid),
+                        "personal", data=self.client(cid), test=test, eval_batch=self.config.eval_batch)
+        built: list[Any] = []  # the personal model evaluate_client builds (a fine-tune trains it once)
+        build = personal.MODEL_OF["personal"]
+        personal.MODEL_OF["personal"] = lambda algo, t: built.append(build(algo, t)) or built[-1]
+        try:
+            with default_dtype(self.dtype):
+                correct = int(evaluate_client(algorithm, task).correct.sum())
+        finally:
+            personal.MODEL_OF["personal"] = build
+        model = built[0]
+        with eval_mode(*[m for m in (model, algorithm.global_model()) if isinstance(m, torch.nn.Module)]), \
+                torch.no_grad():
+            return correct, model(x).detach()
 
     def rounds(self) -> Iterator[RoundRecord]:
         recorder = Recorder()
@@ -160,6 +196,15 @@ class EpochLoader:
     def __iter__(self):
         return iter(self.epochs.pop(0))
 
+    def __len__(self) -> int:  # a DataLoader's: its batches per epoch
+        return len(self.epochs[0]) if self.epochs else 0
+
+
+def cuda_as_cpu() -> None:
+    """The authors' ``.cuda()`` calls made no-ops in this process (the harness's own; offline)."""
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
@@ -177,13 +222,26 @@ SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 
 def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
-    uploaded weights, and Fed-GraB's SGB state or Ditto's personal model."""
-    out = {"weights": result.weights}
+    uploaded weights, Fed-GraB's SGB state, a personalised method's own part (``personal``: PFLlib's
+    methods, FedProto's), APFL's mixing weight and FedProto's prototypes."""
+    out = {"weights": result.weights} if result.weights else {}  # FedProto uploads no weights
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
-    if method == "ditto":
+    if "personal" in result.state:
         out["personal"] = result.state["personal"]
+    if "alpha" in result.state:
+        out["alpha"] = {"alpha": result.state["alpha"]}
+    if method == "fedproto":  # the classes it holds: their prototypes are a dict over those
+        held = result.extras["present"].bool()
+        out["prototypes"] = {str(c): result.extras["prototypes"][c] for c in held.nonzero().flatten().tolist()}
     return out
+
+
+def group_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference over a group of tensors; inf when the two name other tensors."""
+    if set(ours) != set(theirs):
+        return math.inf
+    return max((relative_difference(ours[k], theirs[k]) for k in ours), default=0.0)
 
 
 def recorded_difference(method: str, result: Any, recorded: dict[str, Any]) -> float:
@@ -196,6 +254,20 @@ def recorded_difference(method: str, result: Any, recorded: dict[str, Any]) -> f
             else:
                 worst = max(worst, relative_difference(tensors[name], torch.tensor(theirs, dtype=torch.float64)))
     return worst
+
+def scores_difference(side: "FedltSide", round_index: int, recorded: dict[str, Any], kind: str) -> float:
+    """The largest relative difference between fedlt's personal models after ``round_index`` and
+    a fixture's record of the authors' scoring of them (``kind``: their scores are the logits or
+    their softmax); inf where a correct count differs."""
+    worst = 0.0
+    for cid, theirs in recorded.items():
+        correct, logits = side.personal_scores(int(cid), round_index)
+        if correct != theirs["correct"]:
+            return math.inf
+        outputs = torch.softmax(logits, 1) if kind == "softmax" else logits
+        worst = max(worst, fingerprint_difference(outputs, theirs["outputs"]))
+    return worst
+
 
 def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """max |a − b| / max(max |a|, max |b|): one number per quantity, scale-free (0 for two zeros)."""

@@ -4,12 +4,14 @@
         [--mode matched|released] [--dtype float64|float32] [--rounds 3] [--participation 0.5] \\
         [--record tests/golden/replay_fedgrab.json]
     python tools/replay/run.py ditto --git /work/.mirror/TsingZ0+PFLlib/repo [--mode released] ...
+    (fedper, fedrep, fedbabu, lg_fedavg, fedrod, ditto, apfl, fedavg_ft: PFLlib, tools/replay/personalised.py)
 
 The same initial weights, client data (fedlt's partition of the replay's small long-tailed data
 set), minibatch order and hyper-parameters (the method's ``--preset authors``) go to the authors'
 client and server code and to fedlt's run parts. After every round each quantity is compared —
-per participant the gates, the loss-term state, the trained weights and the loss, then the global
-weights — and the largest relative difference of each is printed. The first one over the tolerance
+per participant the gates, the loss-term state, the trained weights, its own part of the model and
+the loss, then the global weights, then (PFLlib's methods) every client's personal model as both
+sides score it on the test set — and the largest relative difference of each is printed. The first one over the tolerance
 (1e-10 in float64, 1e-5 in float32) is named with where both sides compute it and, when known,
 why they differ. Exit status 0: agreement within the tolerance; 1: a difference.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -31,12 +34,18 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
-import ditto  # noqa: E402
+import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
-from fedlt_side import (FedltSide, fingerprint, quantities, relative_difference, replay_config,  # noqa: E402
-                        write_data)
+import fedic  # noqa: E402
+import fedproto  # noqa: E402
+import fedvls  # noqa: E402
+import fedyoyo  # noqa: E402
+import personalised  # noqa: E402
+from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, relative_difference,  # noqa: E402
+                        replay_config, write_data)
 
-ADAPTERS = {"fedgrab": fedgrab, "ditto": ditto}
+ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
+            "fedyoyo": fedyoyo, "fedic": fedic}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -49,9 +58,29 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
                              + abs(len(gates) - len(theirs["gates"])))
     for group, tensors in quantities(method, ours).items():
-        out[group] = max(relative_difference(tensors[k], theirs[group][k]) for k in tensors)
+        out[group] = group_difference(tensors, theirs.get(group, {}))  # a key on one side only: inf
     if theirs.get("loss") is not None:
         out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
+    return out
+
+
+def personal_scores(side, authors, round_index: int, method: str) -> dict[str, Any]:
+    """Every client's personal model after the round, scored by both sides on the replay's test
+    set: the difference of their correct counts (``accuracy``, in samples) and of their outputs
+    (``outputs``: logits, or their softmax where the authors' evaluation collects that), and the
+    authors' side as a fixture records it."""
+    out: dict[str, Any] = {"accuracy": {}, "outputs": {}, "record": {}}
+    x, y = side.prep.data.x_test, side.prep.data.y_test
+    for cid in range(side.config.clients):
+        theirs = authors.personal_scores(cid, x, y)
+        if theirs is None:  # a client the mode leaves out (the adapter says why)
+            continue
+        their_correct, their_outputs = theirs
+        correct, logits = side.personal_scores(cid, round_index)
+        ours = torch.softmax(logits, 1) if authors.SCORES == "softmax" else logits
+        out["accuracy"][cid] = float(abs(correct - their_correct))
+        out["outputs"][cid] = relative_difference(ours, their_outputs)
+        out["record"][str(cid)] = {"correct": their_correct, "outputs": fingerprint(their_outputs)}
     return out
 
 
@@ -69,17 +98,25 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     adapter = ADAPTERS[args.method]
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
-    data = write_data(work / "data.npz")
+    data_size = {"n_train": 240, "n_test": 100, "size": 8, "seed": 0} | getattr(adapter, "DATA", {})
+    data = write_data(work / "data.npz", **data_size)
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
-    config = replay_config(args.method, data, work / "run", rounds=args.rounds, participation=args.participation,
-                           **epochs)
+    # an adapter's own settings (FEDIC: 8 participants, as their gate's 1/8 weights hard-code) win
+    config = replay_config(args.method, data, work / "run", **{"rounds": args.rounds, "participation": args.participation,
+                                                               **epochs, **getattr(adapter, "SETTINGS", {})})
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
-    authors = adapter.Authors(args.git, args.mode, initial, config)
+    # FEDIC's adapter reads the server's proxy set from fedlt's side as it is built
+    authors = adapter.Authors(args.git, args.mode, initial, config, **({"side": side} if hasattr(adapter, "SETTINGS")
+                                                                       else {}))
+    if hasattr(authors, "attach"):  # PFLlib's server builds every client up front
+        authors.attach(side)
     tol = TOLERANCE[args.dtype]
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():
         theirs, worst = {}, {}
+        if hasattr(authors, "begin_round"):  # a server phase before training (FedYoYo's prior)
+            authors.begin_round(rec.participants, {c: (side.client(c).x, side.client(c).y) for c in rec.participants})
         for cid in rec.participants:
             client = side.client(cid)
             theirs[cid] = authors.train_client(cid, client.x, client.y, side.batches(cid, rec.round),
@@ -90,24 +127,32 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
                 if first is None and (value > tol if name != "gates" else value > 0):
                     first = {"round": rec.round + 1, "client": cid, "quantity": name, "difference": value}
         authors.aggregate(rec.participants, theirs, {c: len(side.client(c)) for c in rec.participants})
-        glob = authors.model.state_dict()
-        worst["global"] = max(relative_difference(rec.global_weights[k], glob[k]) for k in glob)
+        glob = authors.global_weights() if hasattr(authors, "global_weights") else authors.model.state_dict()
+        worst["global"] = group_difference({k: rec.global_weights[k] for k in glob}, glob)
         if first is None and worst["global"] > tol:
             first = {"round": rec.round + 1, "client": None, "quantity": "global", "difference": worst["global"]}
+        scores = personal_scores(side, authors, rec.round, args.method) if hasattr(authors, "personal_scores") else {}
+        for name in ("accuracy", "outputs"):
+            for cid, diff in scores.get(name, {}).items():
+                worst[name] = max(worst.get(name, 0.0), diff)
+                if first is None and (diff > 0 if name == "accuracy" else diff > tol):
+                    first = {"round": rec.round + 1, "client": cid, "quantity": name, "difference": diff}
         rows.append({"round": rec.round + 1, "participants": rec.participants, **worst})
         record_rounds.append({"round": rec.round + 1, "participants": rec.participants,
                               "clients": {str(c): recorded(t) for c, t in theirs.items()},
-                              "global": {k: fingerprint(v) for k, v in glob.items()}})
+                              "global": {k: fingerprint(v) for k, v in glob.items()},
+                              **({"personal": scores["record"]} if scores else {})})
     if first is not None:
         q = first["quantity"]
         first["fedlt"], first["authors"] = adapter.WHERE.get(q, ("", ""))
         first["reason"] = getattr(adapter, "REASONS", {}).get(args.mode, {}).get(q, "not explained yet")
     settings = {k: v for k, v in config.model_dump(mode="json").items()
                 if k in ("clients", "participation", "rounds", "local_epochs", "batch_size", "optimiser", "drop_last",
-                         "partition", "seeds", "model", "algorithm")}
+                         "partition", "seeds", "model", "algorithm")
+                or (k == "algorithm_params" and v)}
     return {"method": args.method, "source": {"repo": adapter.REPO, "commit": adapter.COMMIT},
-            "mode": args.mode, "dtype": args.dtype, "tolerance": tol, "settings": settings,
-            "data": {"n_train": 240, "n_test": 100, "size": 8, "seed": 0}, "rounds": rows, "first_difference": first,
+            "mode": args.mode, "dtype": args.dtype, "scores": getattr(authors, "SCORES", None), "tolerance": tol,
+            "settings": settings, "data": data_size, "rounds": rows, "first_difference": first,
             "record": record_rounds}
 
 

@@ -52,9 +52,9 @@ class Suppression:
         return 0.005 if self.variant == "reference" else 1.0
 
     def shift(self, num_classes: int) -> torch.Tensor:
-        """float64 per-class shift of A: −log(p_c + 1e-9) + log(1/C) (reference), 0 (paper)."""
+        """float64 per-class shift of A: −log(p_c + 1e-9) + log(1/C + 1e-9) (reference), 0 (paper)."""
         if self.variant == "reference":
-            return -torch.log(self.p.vec + 1e-9) + math.log(1.0 / num_classes)
+            return -torch.log(self.p.vec + 1e-9) + math.log(1.0 / num_classes + 1e-9)
         return torch.zeros_like(self.p.vec)
 
 
