@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +36,18 @@ from torch.func import functional_call, vmap
 
 LOG = logging.getLogger("fedlt")
 BACKEND = "inductor"  # fedlt.testing.check_compile also runs "aot_eager": the same graphs, no code generation
+
+
+@contextmanager
+def default_backend(backend: str) -> Iterator[None]:
+    """Runs prepared inside the block compile with ``backend`` (fedlt.testing.check_compile's
+    ``aot_eager``); the run's context carries it from there, copies included."""
+    global BACKEND
+    before, BACKEND = BACKEND, backend
+    try:
+        yield
+    finally:
+        BACKEND = before
 
 
 def options(device: torch.device) -> dict[str, Any]:
@@ -148,4 +161,4 @@ def failure(model: nn.Module | None) -> str | None:
     return next((c.failed for c in _FORWARD.get(model, {}).values() if c.failed), None) or _EAGER.get(model)
 
 
-__all__ = ["BACKEND", "Compiled", "failure", "forward", "left_eager", "options", "unavailable", "vmapped"]
+__all__ = ["BACKEND", "Compiled", "default_backend", "failure", "forward", "left_eager", "options", "unavailable", "vmapped"]

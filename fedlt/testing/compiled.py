@@ -42,8 +42,11 @@ TOLERANCE = 1e-5
 def _rounds(config: RunConfig, runner: Any, backend: str | None) -> tuple[Any, Any]:
     """Two rounds of ``config`` with the steps' backend ``backend`` (None: eager); the results
     (server state, client states, metrics) and the work module (its compiled steps, if any)."""
-    prep = prepare(config)
-    prep.ctx.compile = backend
+    if backend is None:
+        prep = prepare(config.model_copy(update={"compile": False}))
+    else:
+        with compiled.default_backend(backend):  # set before setup: an algorithm may copy the run's context
+            prep = prepare(config.model_copy(update={"compile": True}))
     return two_rounds(prep, config, runner), getattr(prep.algorithm, "_work", None)
 
 
