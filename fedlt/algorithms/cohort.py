@@ -37,10 +37,11 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 import fedlt.augment
+from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
-                                            client_update, features_of, frozen, trainable_names)
+                                            client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -261,6 +262,10 @@ class Cohort:
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
+        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
+        # for the variants whose sequential step compiles too (step_reason)
+        backend = self.schedule.compile if step_reason(type(self.update)) is None else None
+        self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""
@@ -292,7 +297,7 @@ class Cohort:
             if self.update.features:
                 logits, features = vmap(self._with_features)(params, x)
             else:
-                logits, features = vmap(self._forward)(params, x), None
+                logits, features = self.vmapped(params, x), None
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
             total = []
             for j, (k, _, y) in enumerate(group):
