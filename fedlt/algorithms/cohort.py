@@ -130,8 +130,8 @@ def _loop_reason(update: ClientUpdate) -> str | None:
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
                     "or a two-pass step that the batched forward does not carry)")
-    # work around the loop (CCVR's statistics) or a second model stepped after each step (APFL)
-    for hook in ("__call__", "loop", "stepped"):
+    # work around the loop (FedYoYo's, FedReLa's)
+    for hook in ("__call__", "loop"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
     return None
@@ -315,6 +315,23 @@ class Cohort:
         grads = self._corrected(ks, leaves)
         self._clip(grads)
         self._sgd(index, leaves, grads)
+        if type(self.update).stepped is not ClientUpdate.stepped:
+            self._stepped(group)
+
+    def _stepped(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """The variant's ``stepped`` hook (APFL's personal model v and α), client by client after
+        the batched step, on the work module holding that client's weights just stepped: the
+        second model's step is the client's own, as sequentially."""
+        tensors = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for k, x, y in group:
+            c = self.clients[k]
+            with torch.no_grad():
+                for i, name in enumerate(self.names):
+                    tensors[name].copy_(self.weights[i][k])
+                for name, stacked in self.fixed.items():
+                    tensors[name].copy_(stacked[k])
+            with _Seeded(c):
+                self.update.stepped(c.local, self.model, x, y, c.steps - 1)
 
     @torch.no_grad()
     def _teacher(self, ks: list[int], x: torch.Tensor) -> torch.Tensor:
