@@ -199,6 +199,41 @@ declare("creff", CREFF, {
     "drop_last": (False, "main.py:241"),
 })
 
+FEDNH = "github.com/Yutong-Dai/FedNH@60c3161412d576cddc8187af318cdc8a91a8709f"
+declare("fednh", FEDNH, {  # experiments/FedNH_dir.sh:1 is their CIFAR-10 command (beta 0.3)
+    "optimiser.lr": (0.01, "experiments/FedNH_dir.sh:1"),
+    "optimiser.momentum": (0.9, "experiments/FedNH_dir.sh:1"),
+    "optimiser.weight_decay": (1e-5, "experiments/FedNH_dir.sh:1"),
+    "optimiser.clip": (10.0, "src/flbase/strategies/FedUH.py:107"),
+    "local_epochs": (5, "experiments/FedNH_dir.sh:1"),
+    "batch_size": (64, "experiments/Cifar10_Conv2Cifar.yaml:60"),
+    "drop_last": (False, "src/flbase/client.py:41"),
+}, note="their client lr decays by 0.99 a round (--client_lr_scheduler diminishing, src/flbase/utils.py:21); "
+        "fedlt keeps the lr constant")
+
+FEDLF = "github.com/18sym/FedLF@99f98b37e787713f5463214a79d36dbafa7dfd16"
+declare("fedlf", FEDLF, {
+    "optimiser.lr": (0.1, "options.py:49"),
+    "optimiser.momentum": (0.0, "algorithm/our.py:320"),
+    "optimiser.weight_decay": (0.0, "algorithm/our.py:320"),
+    "optimiser.clip": (None, "algorithm/our.py:471"),
+    "local_epochs": (5, "options.py:36"),
+    "batch_size": (32, "options.py:37"),
+    "drop_last": (False, "algorithm/our.py:408"),
+})
+
+# CCVR's authors published no code: FL-bench's CCVR (its FedAvg client, its default settings)
+FLBENCH = "github.com/KarhouTam/FL-bench@06e658bca5af6ce732e25bb7c0f8be321e14a85e"
+declare("ccvr", FLBENCH, {
+    "optimiser.lr": (0.01, "config/defaults.yaml:48"),
+    "optimiser.momentum": (0.0, "config/defaults.yaml:51"),
+    "optimiser.weight_decay": (0.0, "config/defaults.yaml:50"),
+    "optimiser.clip": (None, "src/client/fedavg.py:220"),
+    "local_epochs": (5, "config/defaults.yaml:81"),
+    "batch_size": (32, "config/defaults.yaml:82"),
+    "drop_last": (False, "src/client/fedavg.py:62"),
+}, note="FL-bench's, not the authors' (CCVR's authors published no code)")
+
 FEDIC = "github.com/shangxinyi/FEDIC@76a1d75e33f1b315b0ab99f1e603a206c37c5446"
 declare("fedic", FEDIC, {
     "optimiser.lr": (0.1, "options.py:28"),

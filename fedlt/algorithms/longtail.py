@@ -224,7 +224,9 @@ class FedLFUpdate(ClientUpdate):
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         centres = task.payload["centres"].to(task.data.y.device)
-        return {"scale": fedrs_scale(task.data.class_counts, self.alpha).float().to(centres.device),
+        # the model's dtype, not float32: a float64 run (the replay's) keeps float64 throughout
+        dtype = params[0].dtype if params else torch.float32
+        return {"scale": fedrs_scale(task.data.class_counts, self.alpha).to(centres.device, dtype),
                 "centres": centres, "active": bool((centres != 0).any()),
                 "sums": torch.zeros_like(centres, dtype=torch.float64),
                 "counts": torch.zeros(len(centres), dtype=torch.float64, device=centres.device),
@@ -251,7 +253,7 @@ class FedLFUpdate(ClientUpdate):
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         means = local["means"] if local["means"] is not None else local["sums"]
-        return {}, {"centres": means.float()}
+        return {}, {"centres": means.to(params[0].dtype if params else torch.float32)}
 
 
 def update_centres(centres: torch.Tensor, local: Sequence[torch.Tensor], first: bool) -> torch.Tensor:
@@ -288,7 +290,7 @@ class FedLFStrategy(Strategy):
         r = round.round_index + 1  # the authors count rounds from 1
         if r > self.warm_up and results:
             local = [res.extras["centres"] for res in sorted(results, key=lambda res: res.cid)]
-            self.centres = update_centres(self.centres, local, first=r == self.warm_up + 1).float()
+            self.centres = update_centres(self.centres, local, first=r == self.warm_up + 1).to(self.centres.dtype)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

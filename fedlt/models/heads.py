@@ -119,7 +119,8 @@ class ETFHead(nn.Module):
             self.linear_proto = nn.Linear(in_features, proj_dim)
             a = torch.rand(proj_dim, num_classes, dtype=torch.float64)
         # fixed and rebuilt from the seed on every node: not in the state_dict, never aggregated
-        self.register_buffer("proto", simplex_etf(a).float(), persistent=False)
+        # float32 as theirs (Proto_Classifier casts P with .float()), held in the default dtype
+        self.register_buffer("proto", simplex_etf(a).float().to(torch.get_default_dtype()), persistent=False)
         self.scaling_train = nn.Parameter(torch.tensor(float(scale)))
 
     @property
@@ -240,7 +241,9 @@ def sparse_etf(feat_in: int, num_classes: int, rng: np.random.RandomState, beta:
     (cosines clamped to ±0.99999), in float32 as theirs."""
     # their ETF_Classifier's arithmetic: numpy's QR, then float32 throughout
     p = torch.tensor(np.linalg.qr(rng.random(size=(feat_in, num_classes)))[0]).float()
-    centre = torch.eye(num_classes) - (1 / num_classes) * torch.ones(num_classes, num_classes)
+    # float32 whatever the default dtype (a float64 default, as a replay sets, would mix dtypes)
+    centre = (torch.eye(num_classes, dtype=torch.float32)
+              - (1 / num_classes) * torch.ones(num_classes, num_classes, dtype=torch.float32))
     etf = np.sqrt(num_classes / (num_classes - 1)) * torch.matmul(p, centre)
     zero = rng.choice(feat_in * num_classes, int(beta * feat_in * num_classes), replace=False)
     flat = etf.flatten()
@@ -279,7 +282,8 @@ class SparseETFHead(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             bias = nn.Linear(in_features, num_classes).bias.detach().clone()
-        weight = _sparse_etf_cached(in_features, num_classes, sparsity, steps, seed).t().contiguous()
+        # generated in float32 as theirs, held in the model's dtype (the bias's: the default dtype)
+        weight = _sparse_etf_cached(in_features, num_classes, sparsity, steps, seed).t().contiguous().to(bias.dtype)
         self.register_buffer("fixed_weight", weight, persistent=False)
         self.register_buffer("fixed_bias", bias, persistent=False)
 

@@ -190,14 +190,14 @@ class EpochLoader:
     ``for epoch: for x, y in loader``) is the next epoch of the minibatches fedlt's schedule drew."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batches: list[torch.Tensor], epochs: int) -> None:
-        per = len(batches) // epochs
+        self.per = per = len(batches) // epochs
         self.epochs = [[(x[i], y[i]) for i in batches[e * per:(e + 1) * per]] for e in range(epochs)]
 
     def __iter__(self):
         return iter(self.epochs.pop(0))
 
-    def __len__(self) -> int:  # a DataLoader's: its batches per epoch
-        return len(self.epochs[0]) if self.epochs else 0
+    def __len__(self) -> int:  # a DataLoader's len: the batches of an epoch
+        return self.per
 
 
 def cuda_as_cpu() -> None:
@@ -223,12 +223,17 @@ SGB_KEYS = ("pos", "neg", "u", "e1", "e2")
 def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
     uploaded weights, Fed-GraB's SGB state, a personalised method's own part (``personal``: PFLlib's
-    methods, FedProto's), APFL's mixing weight and FedProto's prototypes."""
+    methods, FedProto's), APFL's mixing weight, FedProto's prototypes,
+    FedLoGe's local head and FedLF's class centres."""
     out = {"weights": result.weights} if result.weights else {}  # FedProto uploads no weights
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
     if "personal" in result.state:
         out["personal"] = result.state["personal"]
+    if method == "fedloge":
+        out["l_head"] = result.state["fedloge"]["l_head"]
+    if method == "fedlf":
+        out["centres"] = {"centres": result.extras["centres"]}
     if "alpha" in result.state:
         out["alpha"] = {"alpha": result.state["alpha"]}
     if method == "fedproto":  # the classes it holds: their prototypes are a dict over those

@@ -34,9 +34,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
+import fedetf  # noqa: E402
 import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
 import fedic  # noqa: E402
+import fedlf  # noqa: E402
+import fedloge  # noqa: E402
 import fedproto  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
@@ -45,8 +48,12 @@ from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, re
                         replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
-            "fedyoyo": fedyoyo, "fedic": fedic}
+            "fedyoyo": fedyoyo, "fedic": fedic,
+            "fedloge": fedloge, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+# BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
+# with BatchNorm's momentum set they do not enter any computation
+COUNTER = "num_batches_tracked"
 
 
 def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
@@ -58,7 +65,12 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         out["gates"] = float(sum(int((a != b).sum()) for a, b in zip(gates, theirs["gates"]))
                              + abs(len(gates) - len(theirs["gates"])))
     for group, tensors in quantities(method, ours).items():
-        out[group] = group_difference(tensors, theirs.get(group, {}))  # a key on one side only: inf
+        mine = {k: v for k, v in tensors.items() if not k.endswith(COUNTER)}
+        other = {k: v for k, v in theirs.get(group, {}).items() if not k.endswith(COUNTER)}
+        out[group] = group_difference(mine, other)  # a key on one side only: inf
+        counters = [k for k in tensors if k.endswith(COUNTER) and k in theirs.get(group, {})]
+        if counters:
+            out["counters"] = max(relative_difference(tensors[k], theirs[group][k]) for k in counters)
     if theirs.get("loss") is not None:
         out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
     return out
@@ -103,7 +115,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
     # an adapter's own settings (FEDIC: 8 participants, as their gate's 1/8 weights hard-code) win
     config = replay_config(args.method, data, work / "run", **{"rounds": args.rounds, "participation": args.participation,
-                                                               **epochs, **getattr(adapter, "SETTINGS", {})})
+                                                               **epochs, **getattr(adapter, "SETTINGS", {}),
+                                                               **getattr(adapter, "CONFIG", {})})
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
     # FEDIC's adapter reads the server's proxy set from fedlt's side as it is built
@@ -124,11 +137,15 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             diffs = compare_client(args.method, rec.results[cid], theirs[cid], rec.gates.get(cid, []))
             for name, value in diffs.items():
                 worst[name] = max(worst.get(name, 0.0), value)
-                if first is None and (value > tol if name != "gates" else value > 0):
+                if first is None and name != "counters" and (value > tol if name != "gates" else value > 0):
                     first = {"round": rec.round + 1, "client": cid, "quantity": name, "difference": value}
         authors.aggregate(rec.participants, theirs, {c: len(side.client(c)) for c in rec.participants})
         glob = authors.global_weights() if hasattr(authors, "global_weights") else authors.model.state_dict()
-        worst["global"] = group_difference({k: rec.global_weights[k] for k in glob}, glob)
+        worst["global"] = group_difference({k: rec.global_weights[k] for k in glob if not k.endswith(COUNTER)},
+                                           {k: v for k, v in glob.items() if not k.endswith(COUNTER)})
+        if any(k.endswith(COUNTER) for k in glob):
+            worst["counters"] = max(worst.get("counters", 0.0), *(relative_difference(rec.global_weights[k], glob[k])
+                                                                   for k in glob if k.endswith(COUNTER)))
         if first is None and worst["global"] > tol:
             first = {"round": rec.round + 1, "client": None, "quantity": "global", "difference": worst["global"]}
         scores = personal_scores(side, authors, rec.round, args.method) if hasattr(authors, "personal_scores") else {}
@@ -176,6 +193,8 @@ def main() -> None:
     for row in out["rounds"]:
         print(f"{row['round']:>5}  {str(row['participants']):>12}  " + "  ".join(f"{row[n]:9.2e}" for n in names))
     first = out["first_difference"]
+    if "counters" in out["rounds"][-1]:
+        print(f"counters (not judged): {getattr(ADAPTERS[args.method], 'COUNTERS', '')}")
     if first is None:
         print(f"agreement: every quantity within {out['tolerance']:g} relative over {len(out['rounds'])} rounds")
     else:
