@@ -186,3 +186,13 @@ def test_what_cannot_take_per_sample_gradients_is_refused(tmp_path):
     assert sample_level_reason(fedlt.algorithms.create("fedvls"), _mlp()) is None
     with pytest.raises(FedltError, match="cannot run loss 'fedgrab'.*keep state"):
         run(RunConfig(**(BASE | {"algorithm": "fedgrab"}), rounds=1, out=tmp_path / "sgb"))
+
+
+@pytest.mark.parametrize("name", ["moon", "feddecorr", "fedlf", "fedrod", "fedproto"])
+def test_a_variant_with_a_term_of_its_own_is_refused(name):
+    """DP-SGD's per-sample loss is the objective alone: a variant adding a term (``terms``: MOON's
+    contrastive term, FedProto's prototype distance, ...) would silently train as FedAvg."""
+    import fedlt.algorithms
+    from fedlt.algorithms.private import sample_level_reason
+
+    assert "overrides ClientUpdate.terms" in (sample_level_reason(fedlt.algorithms.create(name), _mlp()) or "")

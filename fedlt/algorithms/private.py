@@ -12,11 +12,12 @@ from fedlt.algorithms.cohort import client_variant
 from fedlt.algorithms.fedavg_family import ClientUpdate, Federated
 from fedlt.errors import FedltError
 
-# hooks whose override changes what a step computes from the data (a second forward, a two-pass
-# step, work around the loop, a second model trained on the same batch); the others (``correct``,
-# ``begin``, ``end``, ``upload``, ``generator``) act on the privatised gradient or the trained
-# weights: post-processing
-DATA_HOOKS = ("__call__", "parts", "backward", "stepped")
+# hooks whose override changes what a step computes from the data (a term beside the objective, a
+# second forward, a two-pass step, work around the loop, a second model trained on the same batch):
+# DP-SGD's per-sample loss is the objective alone, so such a variant would silently train without
+# its own term; the others (``correct``, ``begin``, ``end``, ``upload``, ``generator``) act on the
+# privatised gradient or the trained weights: post-processing
+DATA_HOOKS = ("__call__", "parts", "terms", "backward", "stepped")
 
 
 def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:
