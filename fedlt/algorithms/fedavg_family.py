@@ -237,8 +237,9 @@ def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:
                          f"{', '.join(stateful)} keep state across steps, which per-sample gradients would move once "
                          "per sample")
     objective.fused = "off"
-    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device
-                                if isinstance(task.data.x, torch.Tensor) else torch.device("cpu"))
+    # on the model's device (``build``'s, also for images decoded from files): a host generator
+    # cannot draw the noise of a CUDA parameter
+    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device)
     return PrivateStep(float(dp[0]), float(dp[1]), min(task.schedule.batch, len(task.data)), generator)
 
 
