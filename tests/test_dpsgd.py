@@ -146,6 +146,25 @@ def test_the_run_stops_before_the_round_that_would_spend_past_the_budget(tmp_pat
     assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
 
 
+def test_the_budget_looks_at_the_clients_the_round_will_draw(tmp_path, monkeypatch):
+    """With availability acting before sampling, the budget's ε is that of the clients the round
+    draws among the reachable ones (sample-level ε differs per client), not of a draw among all."""
+    from fedlt.run import parts
+    from fedlt.run.loop import RoundLoop
+    from fedlt.uploads import UploadRunner
+
+    asked, drawn = [], []
+    prospective, sample = UploadRunner.prospective_epsilon, RoundLoop.sample
+    monkeypatch.setattr(UploadRunner, "prospective_epsilon", lambda self, c: asked.append(list(c)) or prospective(self, c))
+    monkeypatch.setattr(RoundLoop, "sample", lambda self, r: drawn.append(sample(self, r)) or drawn[-1])
+    cfg = RunConfig(**(BASE | {"clients": 4, "participation": 0.5, "local_epochs": None, "local_iters": 2}), rounds=3,
+                    availability={"name": "bernoulli", "p": 0.5, "when": "before"}, stop_at_epsilon=1e6,
+                    out=tmp_path / "run")
+    run(cfg)
+    assert [list(parts.sample_clients(4, 0.5, cfg.seeds.sampling, r)) for r in range(3)] != drawn  # availability acted
+    assert asked == drawn
+
+
 def test_the_budget_stops_a_client_level_run_too(tmp_path):
     """local(...): ε after r rounds is dp-accounting's for r Gaussian releases; a budget between
     rounds 2 and 3 stops a 4-round run after round 2."""
