@@ -10,7 +10,7 @@ is ``Federated.train_round``, shared by every one-call-per-round algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +27,7 @@ from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, 
 from fedlt.context import RoundContext
 from fedlt.models import classifier, eval_mode
 from fedlt.errors import FedltError
+from fedlt.server_steps import classifier_inputs
 from fedlt.privacy.dpsgd import PrivateStep, noise_generator, poisson_batches, stateful_terms, steps_per_round
 from fedlt.spec import Params
 
@@ -39,17 +40,11 @@ def trainable_names(model: nn.Module) -> list[str]:
 OBJECTIVE = "objective"  # the part of a step's loss that is the task's loss expression
 
 
-@contextmanager
-def features_of(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+def features_of(model: nn.Module) -> AbstractContextManager[list[torch.Tensor]]:
     """Collects, flattened to B×d, the input of the model's classifier on every forward inside
     the block (also through ``functional_call`` with other weights): the representation h of the
     papers, with no change to the model or to what it computes."""
-    seen: list[torch.Tensor] = []
-    handle = classifier(model).register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    return classifier_inputs(classifier(model))
 
 
 class StepForward:
