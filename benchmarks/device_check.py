@@ -13,7 +13,9 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
 4. ``algorithms``: one round of every registered algorithm on the device and on the CPU (tiny
    MNIST): test loss and accuracy side by side;
 5. ``pfllib_mnist``: seconds per round of PFLlib's MNIST task (FedAvgCNN, 100 clients, 10 %,
-   one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, the CPU;
+   one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, both
+   again with ``--compile`` (CUDA graphs; the first round, which compiles, reported apart as
+   ``first_round_s``), the CPU;
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
 8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task and of
@@ -53,10 +55,11 @@ FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 
 FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (65536, 1000)],
             reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
-            scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3))
+            scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True)
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
            pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
-           bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1))
+           bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1),
+           compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
 TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
                 server_batch=12, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 
@@ -191,13 +194,21 @@ def pfllib_mnist(device, sizes, tmp: Path) -> dict:
     out = {"task": {k: v for k, v in base.items() if k != "partition"} | {"partition": "dirichlet(beta=0.1)"}}
     reason = cohort_reason(fedlt.algorithms.create("fedavg"), create_model("pfllib_cnn"))
     out["cohort_fallback"] = reason
-    for label, where, cohort, rounds in (("device sequential", str(device), 1, p["rounds"]),
-                                         ("device --cohort 10", str(device), 10, p["rounds"]),
-                                         ("cpu sequential", "cpu", 1, p["cpu_rounds"])):
+    for label, where, cohort, rounds, compile in (("device sequential", str(device), 1, p["rounds"], False),
+                                                  ("device --cohort 10", str(device), 10, p["rounds"], False),
+                                                  ("device sequential --compile", str(device), 1, p["rounds"], True),
+                                                  ("device --cohort 10 --compile", str(device), 10, p["rounds"], True),
+                                                  ("cpu sequential", "cpu", 1, p["cpu_rounds"], False)):
+        if compile and not sizes["compile"]:
+            out[label] = {"skipped": "not in the dry run (inductor's compile of the CNN takes ~30 s on a CPU)"}
+            continue
         summary, rows = _run(tmp / f"pfllib-{label.replace(' ', '_')}", **base, rounds=rounds, eval_every=rounds,
-                             device=where, cohort=cohort)
+                             device=where, cohort=cohort, compile=compile)
         out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": rounds,
-                      "accuracy": summary["final"]["accuracy"], "threads": torch.get_num_threads()}
+                      "accuracy": summary["final"]["accuracy"], "threads": torch.get_num_threads(),
+                      "first_round_s": rows[0]["train_s"]}  # with --compile: the compilation, apart from the rounds
+        if compile:
+            out[label]["compile_fallback"] = summary["compile_fallback"]
     return out
 
 

@@ -24,10 +24,14 @@ synchronisations, ``aten::_local_scalar_dense``).
 
     python benchmarks/profile_round.py [--task pfllib|scala|both] [--threads 1] [--out DIR] [--small]
     python benchmarks/profile_round.py --task pfllib --time 4     # no profiling: CPU and wall s a round
+    python benchmarks/profile_round.py --task pfllib --time 4 --compile [--cohort 10]
 
 Writes ``profile_round.json`` into ``--out`` (default benchmarks/results/). ``--time R`` runs R
 rounds untouched and prints each round after the first (train + evaluation + checkpoint): the
-A/B timing of docs/benchmarks.md, run alternately against another fedlt on ``PYTHONPATH``.
+A/B timing of docs/benchmarks.md, run alternately against another fedlt on ``PYTHONPATH``, or
+with and without ``--compile`` (issue 43): the first round, which compiles, is reported apart
+(``warmup_cpu_s``, and ``compile_s``: dynamo's and inductor's own compile seconds) from the
+rounds after it.
 """
 
 from __future__ import annotations
@@ -221,14 +225,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="directory of profile_round.json")
     parser.add_argument("--name", default="profile_round", help="the JSON's name (e.g. profile_round_before)")
     parser.add_argument("--time", type=int, default=0, metavar="R", help="R rounds, timed only (no profile)")
+    parser.add_argument("--compile", action="store_true", help="with --time: the run's --compile")
+    parser.add_argument("--cohort", type=int, default=1, help="with --time: the run's --cohort")
     args = parser.parse_args(argv)
     if args.time:
-        return time_rounds(args.task, args.device, args.threads, args.small, args.time)
+        extra = ({"compile": True} if args.compile else {}) | ({"cohort": args.cohort} if args.cohort > 1 else {})
+        return time_rounds(args.task, args.device, args.threads, args.small, args.time, extra)
     return profile(args.task, args.device, args.threads, args.small, args.out, args.name)
 
 
-def time_rounds(task: str, device: str, threads: int | None, small: bool, rounds: int) -> dict:
-    """CPU and wall seconds of each round after the first (train, evaluation, checkpoint, record)."""
+def time_rounds(task: str, device: str, threads: int | None, small: bool, rounds: int,
+                extra: dict | None = None) -> dict:
+    """CPU and wall seconds of each round after the first (train, evaluation, checkpoint, record);
+    the first round's apart (``warmup_cpu_s``: with ``--compile``, its compilation, of which
+    ``compile_s`` is dynamo's own account). ``extra``: more of the run's settings."""
     import torch
 
     import fedlt
@@ -238,15 +248,36 @@ def time_rounds(task: str, device: str, threads: int | None, small: bool, rounds
     if threads:
         torch.set_num_threads(threads)
     settings = dict(PFLLIB, **(SMALL if small else {})) if task == "pfllib" else dict(SCALA, **(SMALL_SCALA if small else {}))
+    settings |= extra or {}
     marks: list[tuple[float, float]] = []
+    mark = lambda *_: marks.append((time.process_time(), time.perf_counter()))  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="fedlt-time-") as tmp:
-        run(RunConfig(**settings, rounds=rounds, eval_every=1, device=device, out=Path(tmp) / "run"),
-            on_round=lambda done, row: marks.append((time.process_time(), time.perf_counter())))
+        summary = run(RunConfig(**settings, rounds=rounds, eval_every=1, device=device, out=Path(tmp) / "run"),
+                      on_start=mark, on_round=mark)
     cpu = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     wall = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
-    result = {"fedlt": str(Path(fedlt.__file__).parent), "task": task, "cpu_s": cpu, "wall_s": wall}
+    result = {"fedlt": str(Path(fedlt.__file__).parent), "task": task, "settings": extra or {},
+              "warmup_cpu_s": cpu[0], "warmup_wall_s": wall[0], "compile_s": compile_seconds(),
+              "children_cpu_s": children_cpu(),
+              "cpu_s": cpu[1:], "wall_s": wall[1:], "compile_fallback": summary.get("compile_fallback")}
     print(json.dumps(result))
     return result
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished child processes (inductor's C++ compiler runs)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo spent compiling frames in this process (its own account: tracing, AOTAutograd,
+    the backend's code generation), 0 without --compile."""
+    import torch._dynamo.utils
+
+    return sum(sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items() if k.endswith("compile_inner"))
 
 
 def profile(task: str, device: str, threads: int | None, small: bool, out: Path, name: str = "profile_round") -> dict:

@@ -218,6 +218,9 @@ class RunConfig(Strict):
                                                "loss in float32, float32 master weights and aggregation (docs/gpu.md)")
     cohort: PositiveInt = Field(1, le=1024, description="FedAvg family: train N participants' local steps together "
                                 "as one vmapped step over stacked weights (1: one after another; docs/gpu.md)")
+    compile: bool = Field(False, description="FedAvg family: the model's forward and backward of every local step "
+                          "through torch.compile (CUDA graphs on CUDA); off by default: on the CPU it costs seconds "
+                          "of compilation a run (docs/gpu.md#compiled-steps)")
     availability: dict[str, Any] = Field(default_factory=lambda: {"name": "always"},
                                          description="client availability spec: always, bernoulli(p=...), "
                                                      "markov(p_on=..., p_off=...), straggler(...), scripted(...)")

@@ -32,6 +32,8 @@ SOURCES = [Path(__file__).resolve().parents[1] / part for part in ("fedlt", "cli
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker (--dist loadgroup)")
+    config.addinivalue_line("markers", "slow: a sweep beyond the suite's time budget, run with FEDLT_SLOW=1 "
+                            "(skipped otherwise, CI included)")
     if not hasattr(config, "workerinput"):  # once, in the process that starts the xdist workers
         precompile()
 
@@ -45,6 +47,14 @@ def precompile() -> None:
     for folder in SOURCES:
         if folder.is_dir():
             compileall.compile_dir(folder, quiet=2)
+
+
+SLOW = os.environ.get("FEDLT_SLOW") == "1"  # the slow sweeps (e.g. --compile over the whole registry, inductor)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("slow") is not None and not SLOW:
+        pytest.skip("slow: run with FEDLT_SLOW=1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,14 +28,14 @@ def test_cohort_equals_sequential(name):
 
 
 @pytest.mark.parametrize("name,why", [("fedsam", "overrides ClientUpdate.backward"),
-                                      ("apfl", "overrides ClientUpdate.stepped"),
+                                      ("fedloge", "overrides ClientUpdate.parts"),
                                       ("feddecorr", "magnifies the batched forward's float rounding")])
 def test_what_cannot_be_vmapped_says_why(name, why):
     algorithm = fedlt.algorithms.create(name)
     assert why in cohort_reason(algorithm, nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper"])
+@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper", "apfl", "ccvr"])
 def test_what_now_runs_batched(name):  # the terms hook (a representation, a second head, reference forwards), phases
     assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 
@@ -102,7 +102,7 @@ def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, 
     from fedlt.engine import run
     from fedlt.testing.algorithms import TINY
 
-    settings = dict(TINY, model="mlp", algorithm="apfl", rounds=2, cohort=4)
+    settings = dict(TINY, model="mlp", algorithm="fedsam", rounds=2, cohort=4)
     with caplog.at_level("WARNING", logger="fedlt"):
         summary = run(RunConfig(**settings, out=tmp_path / "run"))
     said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
@@ -114,4 +114,4 @@ def test_a_fallback_is_said_once_at_the_start_and_kept_in_the_summary(tmp_path, 
 def test_phases_continue_each_clients_random_stream():
     """FedRep's and Ditto's second phase draws its augmentation where the first phase's stream
     stopped (as the sequential round, one stream for both phases): a cohort that restarted it fails."""
-    check_cohort("ditto", augment="hflip", clients=3, size=3, train_limit=150)
+    check_cohort("ditto", augment="hflip", clients=2, size=2, train_limit=60)

@@ -35,6 +35,7 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     timings = sections["pfllib_mnist"]
     assert all(timings[k]["seconds_per_round"] > 0 for k in ("device sequential", "device --cohort 10", "cpu sequential"))
     assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
+    assert "skipped" in timings["device --cohort 10 --compile"]  # inductor's compile: not in the suite's time
     assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
     for task in ("pfllib", "scala"):  # the profile's phases add up to the round (the rest is "other Python")
         found = sections["profile"]["tasks"][task]

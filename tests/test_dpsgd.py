@@ -25,9 +25,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 dp_accounting = pytest.importorskip("dp_accounting")
 
 
+class _Scaled(nn.Module):
+    """An MLP times a learned scalar: a 0-dim parameter among the per-sample gradients (FedETF's β)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.body(x)
+
+
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    return _Scaled()
 
 
 def test_per_sample_clipping_is_exact_against_a_float64_loop():
@@ -47,7 +59,7 @@ def test_per_sample_clipping_is_exact_against_a_float64_loop():
     assert (norms > clip).any() and (norms < clip).any()
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad.double(), w, rtol=1e-5, atol=1e-7)
-    assert float(loss.detach()) == pytest.approx(float(F.cross_entropy(model(x), y)), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(F.cross_entropy(model(x), y).detach()), rel=1e-5)
 
 
 def test_the_noise_has_std_sigma_c_over_b():
@@ -203,8 +215,9 @@ def test_what_cannot_take_per_sample_gradients_is_refused(tmp_path):
     assert "BatchNorm1d: per-sample gradients are undefined" in sample_level_reason(
         fedlt.algorithms.create("fedavg"), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     assert sample_level_reason(fedlt.algorithms.create("fedvls"), _mlp()) is None
-    with pytest.raises(FedltError, match="cannot run loss 'fedgrab'.*keep state"):
-        run(RunConfig(**(BASE | {"algorithm": "fedgrab"}), rounds=1, out=tmp_path / "sgb"))
+    assert "MoonUpdate overrides ClientUpdate.terms" in sample_level_reason(fedlt.algorithms.create("moon"), _mlp())
+    with pytest.raises(FedltError, match="'fedgrab': its loss 'fedgrab' has term.* keeping state"):
+        prepare(RunConfig(**(BASE | {"algorithm": "fedgrab"}), rounds=1, out=tmp_path / "sgb"))
 
 
 @pytest.mark.parametrize("name", ["moon", "feddecorr", "fedlf", "fedrod", "fedproto"])

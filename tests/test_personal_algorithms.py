@@ -401,10 +401,10 @@ def test_a_fedrod_client_never_sampled_adds_the_initial_personal_head():
     assert float((outputs(model, 2) - expected).abs().max()) < 1e-12
 
 
-def test_what_trains_alone_says_why():
-    assert "overrides ClientUpdate.stepped" in cohort_reason(fedlt.algorithms.create("apfl"), MLP(D, C))
-    # the loop's start and frozen_keys hooks; FedRep's and Ditto's phases one cohort each
-    for name in ("fedavg_ft", "fedper", "fedbabu", "lg_fedavg", "local", "fedrep", "ditto"):
+def test_the_personalised_algorithms_train_in_cohorts():
+    # the loop's start and frozen_keys hooks; FedRep's and Ditto's phases one cohort each; APFL's
+    # stepped hook client by client after each batched step
+    for name in ("fedavg_ft", "fedper", "fedbabu", "lg_fedavg", "local", "fedrep", "ditto", "apfl"):
         assert cohort_reason(fedlt.algorithms.create(name), MLP(D, C)) is None
 
 

@@ -114,6 +114,7 @@ class LocalSchedule:
     augment: tuple[dict[str, Any], ...] = ()  # training-time augmentation specs (fedlt.augment), applied per batch
     precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
     drop_last: bool = False  # epochs: leave out each epoch's last partial batch (config drop_last)
+    compile: str | None = None  # the step forward's torch.compile backend (fedlt.algorithms.compiled); None: eager
 
     def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
         """The index batches, drawn on the host from ``generator`` (the same on every device);
@@ -235,6 +236,7 @@ class RunContext:
     precision: str = "fp32"  # "fp32" or "bf16" (docs/gpu.md)
     cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
     drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
+    compile: str | None = None  # --compile: the steps' torch.compile backend (fedlt.algorithms.compiled); None: eager
     # training images only the server holds, taken out before partitioning (an algorithm's
     # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none, and in a
     # process that runs only client work (a worker, a Flower node)
@@ -258,7 +260,7 @@ class RunContext:
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
                              weight_decay=self.weight_decay, clip=self.clip, augment=self.augment,
-                             precision=self.precision, drop_last=self.drop_last)
+                             precision=self.precision, drop_last=self.drop_last, compile=self.compile)
 
 
 class Algorithm(Protocol):

@@ -37,10 +37,11 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 import fedlt.augment
+from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
-                                            client_update, features_of, frozen, trainable_names)
+                                            client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -130,8 +131,8 @@ def _loop_reason(update: ClientUpdate) -> str | None:
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a second forward, a module hook "
                     "or a two-pass step that the batched forward does not carry)")
-    # work around the loop (CCVR's statistics) or a second model stepped after each step (APFL)
-    for hook in ("__call__", "loop", "stepped"):
+    # work around the loop (FedYoYo's, FedReLa's)
+    for hook in ("__call__", "loop"):
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return f"{type(update).__name__} overrides ClientUpdate.{hook}, which the cohort's step does not run"
     return None
@@ -261,6 +262,10 @@ class Cohort:
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
         self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
+        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
+        # for the variants whose sequential step compiles too (step_reason)
+        backend = self.schedule.compile if step_reason(type(self.update)) is None else None
+        self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""
@@ -292,7 +297,7 @@ class Cohort:
             if self.update.features:
                 logits, features = vmap(self._with_features)(params, x)
             else:
-                logits, features = vmap(self._forward)(params, x), None
+                logits, features = self.vmapped(params, x), None
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
             total = []
             for j, (k, _, y) in enumerate(group):
@@ -315,6 +320,23 @@ class Cohort:
         grads = self._corrected(ks, leaves)
         self._clip(grads)
         self._sgd(index, leaves, grads)
+        if type(self.update).stepped is not ClientUpdate.stepped:
+            self._stepped(group)
+
+    def _stepped(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """The variant's ``stepped`` hook (APFL's personal model v and α), client by client after
+        the batched step, on the work module holding that client's weights just stepped: the
+        second model's step is the client's own, as sequentially."""
+        tensors = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for k, x, y in group:
+            c = self.clients[k]
+            with torch.no_grad():
+                for i, name in enumerate(self.names):
+                    tensors[name].copy_(self.weights[i][k])
+                for name, stacked in self.fixed.items():
+                    tensors[name].copy_(stacked[k])
+            with _Seeded(c):
+                self.update.stepped(c.local, self.model, x, y, c.steps - 1)
 
     @torch.no_grad()
     def _teacher(self, ks: list[int], x: torch.Tensor) -> torch.Tensor:

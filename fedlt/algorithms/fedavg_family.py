@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import is_dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from torch.func import functional_call
 
 import fedlt.augment
-from fedlt.algorithms import preset
+from fedlt.algorithms import compiled, preset
 from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
                                    backward_precision, build_aggregator, build_objective, channels_last, client_generator,
                                    forward_precision, place_model, proportional_batches, upcast)
@@ -142,6 +143,7 @@ class ClientUpdate:
         augment = fedlt.augment.build(task.schedule.augment)  # once per round; draws from the client's stream
         local = self.begin(task, model, params)
         private = private_step(task, objective)
+        forward = self.step_forward(task, model) if private is None else model  # DP-SGD: its own per-sample forward
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
         for x, y in task.data.batches(index_batches(task, generator, private)):
@@ -153,7 +155,7 @@ class ClientUpdate:
                     extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
                 if objective.needs_params:
                     extra["params"] = params
-                step_parts = (self.backward(local, model, params, objective, x, y, extra) if private is None
+                step_parts = (self.backward(local, forward, params, objective, x, y, extra) if private is None
                               else private.parts(model, params, objective, x, y, extra))
             for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
@@ -168,6 +170,19 @@ class ClientUpdate:
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
         weights = self.upload(local, task, model, own)
         return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
+
+    def step_forward(self, task: ClientTask, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
+        """The module the step's ``parts`` calls: ``model`` itself, or under ``--compile`` (a
+        schedule with a backend) its compiled forward where the step is the plain ``model(x)``
+        (:func:`step_reason`); every other hook gets ``model``."""
+        backend = task.schedule.compile
+        if backend is None:
+            return model
+        reason = step_reason(type(self))
+        if reason is not None:
+            compiled.left_eager(model, reason)
+            return model
+        return compiled.forward(model, backend)
 
     def generator(self, task: ClientTask) -> torch.Generator:
         """The minibatch-order stream: the client's round stream; a fine-tune draws from its own."""
@@ -218,6 +233,59 @@ class ClientUpdate:
         ``state`` is the client's new own state from ``end``. Return every key of the state dict,
         in its dtypes, as new tensors: ``model`` is a work module the next client overwrites."""
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def step_reason(update: type[ClientUpdate]) -> str | None:
+    """Why a variant's step cannot have its forward compiled (None: it can): its step reads more
+    than the logits of ``model(x)`` — ``terms``, ``parts`` or ``backward`` overridden (a submodule
+    through ``StepForward.call``, a parameter, a reference forward, a two-pass step) or the
+    representation (``features``: a module hook the compiled graph does not carry)."""
+    for hook in ("terms", "parts", "backward"):
+        if getattr(update, hook) is not getattr(ClientUpdate, hook):
+            return f"{update.__name__} overrides ClientUpdate.{hook} (its step reads more than model(x): a " \
+                   "submodule, a parameter, the representation or a second forward)"
+    if update.features:
+        return f"{update.__name__} reads the representation (a hook on the classifier's input)"
+    return None
+
+
+def compile_reason(algorithm: Any) -> str | None:
+    """Why ``--compile`` leaves ``algorithm``'s local steps eager (None: their forward is compiled)."""
+    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    if fn is None:
+        return f"{type(algorithm).__name__} is not one call per client per round (split learning runs sessions)"
+    return _update_reason(fn, type(algorithm).__name__) or compiled.unavailable()
+
+
+def compile_notice(algorithm: Any, device: torch.device) -> str:
+    """The line a run with ``--compile`` starts with: why its steps stay eager, or what compiling
+    them costs on ``device`` (on the CPU it was measured slower than eager: docs/benchmarks.md)."""
+    reason = compile_reason(algorithm)
+    if reason is not None:
+        return f"fedlt: --compile leaves the local steps eager: {reason}"
+    if device.type == "cpu":
+        return ("fedlt: --compile on the CPU: the first round compiles (tens of seconds) and the rounds after it "
+                "were measured slower than eager (PFLlib's CNN, docs/benchmarks.md); it is meant for CUDA")
+    return f"fedlt: --compile: the local steps' forward and backward compiled on {device} (the first round compiles)"
+
+
+def _update_reason(update: Any, owner: str) -> str | None:
+    """``step_reason`` of a ``ClientUpdate`` variant and of the variants it runs inside (a wrapper's
+    fields: FedLoGe's head around its update, FedReLa's relabelling around that)."""
+    update = _PLAIN if update is client_update else update
+    inner = [v for v in getattr(update, "__dict__", {}).values()
+             if isinstance(v, ClientUpdate) or v is client_update or (is_dataclass(v) and not isinstance(v, type))]
+    if not isinstance(update, ClientUpdate) and not inner:
+        return f"{owner}'s client work is not a ClientUpdate loop"
+    own = step_reason(type(update)) if isinstance(update, ClientUpdate) else None
+    return own or next((r for r in (_update_reason(v, owner) for v in inner) if r is not None), None)
+
+
+def compile_fallback(algorithm: Any) -> str | None:
+    """Why a run with ``--compile`` trained eagerly (``summary.json``'s ``compile_fallback``): the
+    algorithm's reason (:func:`compile_reason`), else the first compilation failure of its work
+    module in this process (None: every step this process ran was compiled)."""
+    return compile_reason(algorithm) or compiled.failure(getattr(algorithm, "_work", None))
 
 
 def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from fedlt.algorithms.cohort import client_variant
 from fedlt.algorithms.fedavg_family import ClientUpdate, Federated
+from fedlt.context import RoundContext
 from fedlt.errors import FedltError
+from fedlt.losses.compose import create_term, parse
+from fedlt.privacy.dpsgd import stateful_terms
 
-# hooks whose override changes what a step computes from the data (a term beside the objective, a
-# second forward, a two-pass step, work around the loop, a second model trained on the same batch):
-# DP-SGD's per-sample loss is the objective alone, so such a variant would silently train without
-# its own term; the others (``correct``, ``begin``, ``end``, ``upload``, ``generator``) act on the
-# privatised gradient or the trained weights: post-processing
-DATA_HOOKS = ("__call__", "parts", "terms", "backward", "stepped")
+# hooks whose override changes what a step computes from the data (a term beside the objective:
+# MOON's, FedLF's, FedRoD's, read from the batch's forward; a two-pass step; work around the loop;
+# a second model trained on the same batch); the others (``correct``, ``begin``, ``end``,
+# ``upload``, ``start``, ``frozen_keys``, ``generator``) act on the privatised gradient, the trained
+# weights or which of them train: post-processing
+DATA_HOOKS = ("__call__", "loop", "parts", "terms", "backward", "stepped")
 
 
 def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:
@@ -43,8 +47,21 @@ def check_sample_level(config: Any, algorithm: Any) -> None:
     if config.privacy is None or config.privacy.get("name") != "sample_level":
         return
     reason = sample_level_reason(algorithm, algorithm.global_model())
+    expr = getattr(getattr(algorithm, "strategy", None), "objective", None)
+    stateful = stateful_loss_terms(expr) if isinstance(expr, str) else []
+    if reason is None and stateful:
+        reason = (f"its loss {expr!r} has term(s) {', '.join(stateful)} keeping state across steps, which "
+                  "per-sample gradients would move once per sample")
     if reason is not None:
         raise FedltError(f"privacy: sample_level (DP-SGD) is not available for algorithm {config.algorithm!r}: {reason}")
+
+
+def stateful_loss_terms(expr: str) -> list[str]:
+    """The terms of loss expression ``expr`` that keep state across steps, from its terms built
+    with the stand-in setup values the config check uses (fedlt.losses.compose.validate)."""
+    setup = (RoundContext.placeholder().values()
+             | {"class_counts": [1.0, 1.0], "seed": 0, "global_params": [torch.zeros(1)], "num_classes": None})
+    return [n for _, name, params in parse(expr) for n in stateful_terms(create_term(name, params, setup))]
 
 
 __all__ = ["check_sample_level", "sample_level_reason"]

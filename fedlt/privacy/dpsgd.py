@@ -58,7 +58,7 @@ def noise_generator(sampling_seed: int, round_index: int, cid: int, device: torc
 def clipped_sum(grads: Sequence[torch.Tensor], clip: float) -> list[torch.Tensor]:
     """Σ_i g_i · min(1, C/‖g_i‖₂) for per-sample gradients stacked along dim 0 (the norm over every
     tensor together; a zero gradient stays zero)."""
-    flat = [g.flatten(1) for g in grads]
+    flat = [g.reshape(len(g), -1) for g in grads]  # a 0-dim parameter (FedETF's β) too
     norms = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]).pow(2).sum(0).sqrt()
     factor = (clip / norms).clamp(max=1.0)  # C/0 = inf → 1
     # one (1×B)·(B×P) product a tensor: an einsum over the sample axis ran 10× slower on the CPU

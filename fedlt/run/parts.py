@@ -28,6 +28,7 @@ import fedlt.client_tests
 import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
+from fedlt.algorithms import compiled
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
@@ -202,6 +203,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         precision=config.precision, cohort=config.cohort,  # issue 34 (docs/gpu.md)
         drop_last=config.drop_last,  # issue 41
         server_data=None if server is None else server.on(device, model_spec.num_classes),
+        compile=compiled.BACKEND if config.compile else None,  # issue 43 (docs/gpu.md#compiled-steps)
     )
 
 

@@ -37,7 +37,11 @@ SCHEDULES = {"by iterations": {}, "by epochs": {"local_epochs": 1, "batch_size":
 
 
 def _rounds(config: RunConfig, runner: Any) -> tuple[Any, Any, list[dict[str, float]]]:
-    prep = prepare(config)
+    return two_rounds(prepare(config), config, runner)
+
+
+def two_rounds(prep: Any, config: RunConfig, runner: Any) -> tuple[Any, Any, list[dict[str, float]]]:
+    """The contract's two rounds of the prepared run ``prep``: server state, client states, metrics."""
     states, metrics = ClientStates(), []
     for r in range(2):
         clients = []

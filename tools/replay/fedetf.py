@@ -45,11 +45,11 @@ COMMIT = "092ace3471d0489c432fcde811ed7b7081042720"
 MODES = ("matched", "released")
 
 WHERE = {
-    "weights": ("fedlt/algorithms/fedavg_family.py:57-95 (ClientUpdate: the optimiser built each round)",
+    "weights": ("fedlt/algorithms/fedavg_family.py:135-175 (ClientUpdate.loop: the optimiser built each round)",
                 "client_funct.py:253-278 (client_fedetf) with nodes.py:43 (node.optimizer, built once per client)"),
-    "loss": ("fedlt/algorithms/fedavg_family.py:108 (mean over steps)",
+    "loss": ("fedlt/algorithms/fedavg_family.py:254-268 (check_parts: mean over steps)",
              "client_funct.py:52-57 (mean of per-epoch means)"),
-    "global": ("fedlt/algorithms/fedavg_family.py:199 (Strategy.aggregate: weights n_k / Σ n)",
+    "global": ("fedlt/algorithms/fedavg_family.py:361-365 (Strategy.aggregate: weights n_k / Σ n)",
                "server_funct.py:20-34, 121-129 (receive_client_models, fedavg)"),
 }
 REASONS = {

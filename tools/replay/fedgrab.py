@@ -52,11 +52,11 @@ WHERE = {
     "gates": ("fedlt/losses/fedgrab.py:229-236 (r ≤ the DPA prior of the received classifier)",
               "util/losses.py:162-176 (random_unit(0.1^(tail_id/(C−1))), tail_id advancing on each gate)"),
     "sgb": ("fedlt/losses/fedgrab.py:220-247", "util/losses.py:98-203, 297-316, 430-483"),
-    "weights": ("fedlt/algorithms/fedavg_family.py:64-66 (SGD over every trainable parameter)",
+    "weights": ("fedlt/algorithms/fedavg_family.py:144-145 (SGD over every trainable parameter)",
                 "util/update_baseline.py:92-127 (SGD over net.parameters() only, line 98)"),
-    "global": ("fedlt/algorithms/fedavg_family.py:199 (Strategy.aggregate: weights n_k / Σ n)",
+    "global": ("fedlt/algorithms/fedavg_family.py:361-365 (Strategy.aggregate: weights n_k / Σ n)",
                "util/fedavg.py:54-68 with fed_grab.py:91,100 (sizes of a random permutation)"),
-    "loss": ("fedlt/algorithms/fedavg_family.py:89 (mean over steps)",
+    "loss": ("fedlt/algorithms/fedavg_family.py:254-268 (check_parts: mean over steps)",
              "util/update_baseline.py:123-127 (mean of per-epoch means)"),
 }
 

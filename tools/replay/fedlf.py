@@ -42,8 +42,8 @@ MODES = ("matched", "released")
 CONFIG = {"model": "resnet8", "algorithm_params": {"warm_up": 0}}
 
 WHERE = {
-    "weights": ("fedlt/algorithms/longtail.py:227-243 (FedLFUpdate.parts)", "algorithm/our.py:388-476 (local_train)"),
-    "centres": ("fedlt/algorithms/longtail.py:245-248 (the last epoch's running means)",
+    "weights": ("fedlt/algorithms/longtail.py:237-251 (FedLFUpdate.terms)", "algorithm/our.py:388-476 (local_train)"),
+    "centres": ("fedlt/algorithms/longtail.py:253-256 (the last epoch's running means)",
                 "algorithm/our.py:474 (f_k = f_k_mean)"),
     "global": ("fedlt/algorithms/longtail.py:280-286 (FedAvg; update_centres)",
                "algorithm/our.py:208-222, 640-654 (initialize_for_model_fusion; f_G)"),

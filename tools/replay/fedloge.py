@@ -53,7 +53,7 @@ WHERE = {
                "util/update_baseline.py:344, 447-451 with fedloge.py:271-273, 299 (l_heads[client_id])"),
     "global": ("fedlt/algorithms/longtail.py:502-504 (Strategy.aggregate: weights n_k / Σ n)",
                "util/fedavg.py FedAvg_noniid, FedAvg_noniid_classifier with fedloge.py:304-308"),
-    "loss": ("fedlt/algorithms/fedavg_family.py:108 (check_parts: mean over steps of the parts' sum)",
+    "loss": ("fedlt/algorithms/fedavg_family.py:254-268 (check_parts: mean over steps of the parts' sum)",
              "util/update_baseline.py:453-458 (mean of per-epoch means of the three losses' sum)"),
 }
 

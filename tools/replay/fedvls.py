@@ -43,9 +43,9 @@ MODES = ("matched", "released")
 
 WHERE = {
     "weights": ("fedlt/losses/fedvls.py:164-185 (logit_adjust + lam·vacant_kd + logit_suppression), "
-                "fedlt/algorithms/fedavg_family.py:57-103",
+                "fedlt/algorithms/fedavg_family.py:135-175",
                 "system/flcore/clients/clientvls.py:40-115"),
-    "global": ("fedlt/algorithms/fedavg_family.py:200-204", "system/flcore/servers/servervls.py:146-176"),
+    "global": ("fedlt/algorithms/fedavg_family.py:361-365", "system/flcore/servers/servervls.py:146-176"),
 }
 REASONS = {"released": {
     "weights": "float64 only: their class counts and prior are float32 (clientvls.py:51-52, 97-98: "

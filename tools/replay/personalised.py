@@ -29,10 +29,10 @@ class FedPer(PFLlib):
     CLIENT, SERVER = ("clientper.py", "clientPer"), ("serverper.py", "FedPer")
     UPLOADS, KEEPS = "model.base", "model.head"
     WHERE = {
-        "weights": ("fedlt/algorithms/pfl.py:126-145, 247-252 (PartsUpdate: keep the head, send the body)",
+        "weights": ("fedlt/algorithms/pfl.py:97-127, 239-244 (PartsUpdate: keep the head, send the body)",
                     "system/flcore/clients/clientper.py:10-47, servers/serverper.py:70-87"),
-        "personal": ("fedlt/algorithms/pfl.py:138-141 (PartsUpdate.end: the head kept)", "clientper.py:45-47 (set_parameters: base only)"),
-        "global": ("fedlt/algorithms/pfl.py:173-191 (SharedStrategy over the body)", AGGREGATE),
+        "personal": ("fedlt/algorithms/pfl.py:120-123 (PartsUpdate.end: the head kept)", "clientper.py:45-47 (set_parameters: base only)"),
+        "global": ("fedlt/algorithms/pfl.py:165-183 (SharedStrategy over the body)", AGGREGATE),
     }
 
 
@@ -40,9 +40,9 @@ class FedRep(PFLlib):
     CLIENT, SERVER = ("clientrep.py", "clientRep"), ("serverrep.py", "FedRep")
     UPLOADS, KEEPS = "model.base", "model.head"
     WHERE = {
-        "weights": ("fedlt/algorithms/pfl.py:155-170 (RepUpdate: the head's epochs, then the body's)",
+        "weights": ("fedlt/algorithms/pfl.py:138-162 (RepUpdate: the head's epochs, then the body's)",
                     "system/flcore/clients/clientrep.py:24-74"),
-        "personal": ("fedlt/algorithms/pfl.py:155-170", "clientrep.py:32-50 (the head's epochs)"),
+        "personal": ("fedlt/algorithms/pfl.py:138-162", "clientrep.py:32-50 (the head's epochs)"),
         "global": ("fedlt/algorithms/pfl.py:173-191", AGGREGATE),
     }
 
@@ -65,8 +65,8 @@ class LGFedAvg(PFLlib):
     UPLOADS, KEEPS = "model.head", "model.base"
     WHERE = {
         "weights": ("fedlt/algorithms/pfl.py:126-145, 272-279 (keep the body, send the head)", "system/flcore/clients/clientlg.py:10-47"),
-        "personal": ("fedlt/algorithms/pfl.py:138-141 (PartsUpdate.end: the body kept)", "clientlg.py:45-47 (set_parameters: head only)"),
-        "global": ("fedlt/algorithms/pfl.py:173-191 (SharedStrategy over the head)",
+        "personal": ("fedlt/algorithms/pfl.py:120-123 (PartsUpdate.end: the body kept)", "clientlg.py:45-47 (set_parameters: head only)"),
+        "global": ("fedlt/algorithms/pfl.py:165-183 (SharedStrategy over the head)",
                    "system/flcore/servers/serverlg.py:13, 71-93 and " + AGGREGATE),
     }
 

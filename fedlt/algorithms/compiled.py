@@ -1,0 +1,164 @@
+"""Compiled steps (``--compile``, docs/gpu.md#compiled-steps): the model's forward of a client's
+step (and its backward, which AOTAutograd compiles with it) through ``torch.compile``.
+
+What is compiled is the work module's forward only — ``model(x)`` in the plain step, and
+``vmap(functional_call(model, θ_k, x_k))`` over a cohort's stacked weights — never the loss
+objects, the clip or the optimiser: a round builds each client's objective afresh (one graph
+per client would recompile every step), and the fused SGD step is already one kernel. The
+compiled callable is kept per work module (weakly: it dies with the module), so every client of
+every round reuses the same graphs; dynamo guards on the module's class, not its identity, so a
+new run's module of the same architecture reuses them too.
+
+- **Shapes**: the batch dimension (and a cohort's client dimension) is marked dynamic before
+  the first call (``torch._dynamo.maybe_mark_dynamic``), so a client's own batch size B_k, an
+  epoch's short last batch and a cohort's masked clients run one graph, not one per size. Size 1
+  is the exception dynamo makes for every dynamic dimension: one more graph, compiled once.
+- **Backends**: inductor, with CUDA graphs on CUDA (``mode="reduce-overhead"``'s option,
+  ``triton.cudagraphs``) and the default mode on the CPU. ``fallback_random`` keeps random
+  operations (dropout) on torch's own generator, so a compiled step draws what the eager step
+  draws from the client's stream.
+- **Fallback**: a model that dynamo or the backend cannot compile runs eagerly from then on; the
+  first reason is kept (:func:`failure`) for the run's summary (``compile_fallback``). An error
+  of the model itself is raised by the eager rerun, as without ``--compile``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+LOG = logging.getLogger("fedlt")
+BACKEND = "inductor"  # fedlt.testing.check_compile also runs "aot_eager": the same graphs, no code generation
+
+
+@contextmanager
+def default_backend(backend: str) -> Iterator[None]:
+    """Runs prepared inside the block compile with ``backend`` (fedlt.testing.check_compile's
+    ``aot_eager``); the run's context carries it from there, copies included."""
+    global BACKEND
+    before, BACKEND = BACKEND, backend
+    try:
+        yield
+    finally:
+        BACKEND = before
+
+
+def options(device: torch.device) -> dict[str, Any]:
+    """Inductor's options on ``device``: ``mode="reduce-overhead"`` (CUDA graphs) on CUDA, the
+    default mode elsewhere; random operations on torch's generator everywhere."""
+    import torch._inductor  # only a run that compiles pays for importing inductor
+
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return dict(torch._inductor.list_mode_options(mode)) | {"fallback_random": True}
+
+
+def unavailable() -> str | None:
+    """Why torch.compile cannot run in this Python at all (None: it can)."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this Python or platform (torch._dynamo.is_dynamo_supported())"
+    return None
+
+
+class Compiled:
+    """``eager`` through ``torch.compile``, with ``dims`` of its tensor arguments marked dynamic;
+    after a compilation error, ``eager`` itself (``failed`` says why)."""
+
+    def __init__(self, eager: Callable, dims: Callable[[tuple], list[tuple[torch.Tensor, int]]],
+                 device: torch.device, backend: str) -> None:
+        self.eager, self.dims, self.device = eager, dims, device
+        self.failed: str | None = unavailable()
+        kwargs = {"options": options(device)} if backend == "inductor" else {}
+        self.compiled = torch.compile(eager, backend=backend, **kwargs) if self.failed is None else eager
+        self.cudagraphs = backend == "inductor" and device.type == "cuda"
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed is not None:
+            return self.eager(*args)
+        for tensor, dim in self.dims(args):
+            if tensor.dim() > dim:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if self.cudagraphs:  # a new step: the graphs' previous outputs are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return self.compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            out = self.eager(*args)  # the model's own error, if it is one, is raised here as without --compile
+            self.failed = reason_of(exc)
+            LOG.warning(f"fedlt: --compile: the step's forward runs eagerly from here: {self.failed}")
+            return out
+
+
+def reason_of(exc: BaseException) -> str:
+    """``exc`` in one line, with the error that caused it (a backend's own error under dynamo's)."""
+    root = exc
+    while (getattr(root, "inner_exception", None) or root.__cause__) is not None:  # BackendCompilerFailed's own
+        root = getattr(root, "inner_exception", None) or root.__cause__
+    line = (str(root).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}" + (f" ({type(root).__name__}: {line})" if root is not exc else f": {line}")
+
+
+_FORWARD: "weakref.WeakKeyDictionary[nn.Module, dict[str, Compiled]]" = weakref.WeakKeyDictionary()
+
+
+def _cached(model: nn.Module, kind: str, backend: str, make: Callable[[], Compiled]) -> Compiled:
+    per_model = _FORWARD.setdefault(model, {})
+    key = f"{kind}/{backend}"
+    if key not in per_model:
+        per_model[key] = make()
+    return per_model[key]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+
+
+def forward(model: nn.Module, backend: str = BACKEND) -> Compiled:
+    """``model(x)`` compiled, its batch dimension dynamic: the plain step's forward."""
+    ref = weakref.ref(model)  # the cache holds the module weakly: the graph must not keep it alive
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return ref()(x)
+
+    return _cached(model, "forward", backend, lambda: Compiled(call, lambda args: [(args[0], 0)], _device(model),
+                                                                 backend))
+
+
+def vmapped(model: nn.Module, backend: str = BACKEND) -> Compiled:
+    """``vmap(functional_call(model, ·, ·))(stacked_params, x)`` compiled, the client dimension of
+    the stacked weights and inputs and the batch dimension of the inputs dynamic: a cohort's step."""
+    ref = weakref.ref(model)
+
+    def call(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return vmap(lambda p, xs: functional_call(ref(), p, (xs,)))(params, x)
+
+    def dims(args: tuple) -> list[tuple[torch.Tensor, int]]:
+        params, x = args
+        return [(x, 0), (x, 1), *((t, 0) for t in params.values())]
+
+    return _cached(model, "vmapped", backend, lambda: Compiled(call, dims, _device(model), backend))
+
+
+_EAGER: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def left_eager(model: nn.Module, reason: str) -> None:
+    """Note that a step on ``model`` ran eagerly under ``--compile``, and why (the first reason)."""
+    _EAGER.setdefault(model, reason)
+
+
+def failure(model: nn.Module | None) -> str | None:
+    """Why a step on ``model`` ran eagerly under ``--compile``: the first compilation failure, or
+    a variant's step left eager (:func:`left_eager`); None: none (or no model)."""
+    if model is None:
+        return None
+    return next((c.failed for c in _FORWARD.get(model, {}).values() if c.failed), None) or _EAGER.get(model)
+
+
+__all__ = ["BACKEND", "Compiled", "default_backend", "failure", "forward", "left_eager", "options", "unavailable", "vmapped"]
