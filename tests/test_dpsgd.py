@@ -104,6 +104,17 @@ def test_epsilon_is_dp_accountings_for_abadi_et_als_example():
     assert again.epsilon() == halves.epsilon() and again.epsilons[1] < again.epsilons[0]
 
 
+def test_the_ledger_computes_a_client_sizes_step_curve_once(monkeypatch):
+    """Each (n_k, b_k)'s one-step curve is the ledger's for the run: round_rdp's bounded cache
+    alone would recompute it (seconds each) every round once more than 64 sizes take part."""
+    calls, curve = [], P.round_rdp.__wrapped__  # uncached: every call counted
+    monkeypatch.setattr(P, "round_rdp", lambda *a: calls.append(a) or curve(*a))
+    ledger = P.SampleAccountant(P.mechanism("sample_level(clip=1.0, noise_multiplier=2.0)"), 1e-5)
+    first = ledger.record([(0, 500, 50, 3)])
+    assert ledger.record([(0, 500, 50, 3)]) > first and ledger.prospective([(0, 500, 50, 3)]) > first
+    assert [a for a in calls if a[1:3] == (500, 50)] == [(2.0, 500, 50, "poisson")]
+
+
 def test_calibration_keeps_every_client_under_the_target():
     settings = UploadSettings(privacy={"name": "sample_level", "clip": 1.0}, target_epsilon=3.0, delta=1e-5,
                               clients=2, per_round=2, rounds=50, sizes=(60_000, 60_000),
