@@ -493,7 +493,20 @@ class RunConfig(Strict):
             compatibility.check(self.algorithm, algorithm, [m["name"] for m in self.client_eval_modes()])
         except FedltError as exc:
             raise ValueError(str(exc)) from None
+        self._server_sees_what_it_reads(algorithm)
         return self
+
+    def _server_sees_what_it_reads(self, algorithm: Any) -> None:
+        """Secure aggregation and central client-level DP hand the server only the participants'
+        weighted mean (fedlt.uploads): an algorithm that reads each client's own update would run
+        silently as something else, so it is refused."""
+        central = self.privacy is not None and fedlt.privacy.mechanism(self.privacy).central
+        reason = getattr(algorithm, "reads_each_update", lambda: None)()
+        if reason and (self.secure_aggregation or central):
+            field = "secure_aggregation" if self.secure_aggregation else "privacy"
+            raise ValueError(f"{field}: the server then sees only the participants' mean update, but algorithm "
+                             f"{self.algorithm!r} needs each one: {reason}; use --privacy local(...) or "
+                             "sample_level(...) without secure aggregation, or another algorithm/aggregator")
 
     @model_validator(mode="after")
     def _client_tests_for_the_modes(self) -> "RunConfig":

@@ -274,3 +274,17 @@ def prepare_weights(cfg):
     from fedlt.engine import prepare
 
     return {k: v.clone() for k, v in prepare(cfg).algorithm.global_model().state_dict().items()}
+
+
+# Secure aggregation and central DP give the server the participants' mean update alone: an
+# algorithm or aggregator that reads each client's own update would run as something else
+@pytest.mark.parametrize("algorithm,params", [("fedic", {}), ("fednova", {}), ("fedexp", {}),
+                                              ("fedavg", {"aggregator": "fedexp"})])
+@pytest.mark.parametrize("hiding", [{"secure_aggregation": True},
+                                    {"privacy": "client_level(clip=1.0, noise_multiplier=1.0)"}])
+def test_an_algorithm_reading_each_update_is_refused_where_the_server_sees_only_the_mean(algorithm, params, hiding):
+    with pytest.raises(ValueError, match="sees only the participants' mean update, but algorithm .* needs each one"):
+        RunConfig.model_validate({"algorithm": algorithm, "algorithm_params": params, **hiding})
+    RunConfig.model_validate({"algorithm": algorithm, "algorithm_params": params,  # each update seen: allowed
+                              "privacy": "local(clip=1.0, noise_multiplier=1.0)"})
+    RunConfig.model_validate({"algorithm": "fedavg", **hiding})  # the mean is all FedAvg reads

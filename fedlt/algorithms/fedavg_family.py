@@ -498,6 +498,11 @@ class FedAvgFamily(Federated):
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         return Strategy(model, build_aggregator(self.aggregator), ctx, self.loss)
 
+    def reads_each_update(self) -> str | None:
+        """Why the server needs each participant's own weights, not only their weighted mean (None:
+        the mean is enough) — under secure aggregation or central DP it gets the mean alone."""
+        return getattr(build_aggregator(self.aggregator), "reads_each_update", None)
+
 
 preset("fedavg", FedAvgFamily, "FedAvg: cross-entropy locally, |D_k|-weighted averaging.", loss="ce")
 preset("fedprox", FedAvgFamily, "FedProx: CE + (mu/2)·‖w − w_global‖².", loss="ce + fedprox(mu=0.01)")

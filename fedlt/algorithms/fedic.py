@@ -328,6 +328,9 @@ class FEDIC(FedAvgFamily):
     def server_data_per_class(self) -> tuple[int, str]:
         return self.proxy_per_class + self.unlabeled_per_class, "proxy_per_class + unlabeled_per_class"
 
+    def reads_each_update(self) -> str | None:
+        return "its calibrated ensemble weighs and distils each client's own model"
+
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         settings = ServerSettings(self.finetune_steps, self.calibration_steps, self.distill_steps, self.batch_labeled,
                                   self.batch_unlabeled, self.server_lr, self.server_weight_decay, self.temperature,
