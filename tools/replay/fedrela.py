@@ -3,7 +3,7 @@
 fedlt's ``fedrela``. FedReLa is FedLoGe with relabelling: this adapter is ``fedloge.py``'s, with
 their repository's own copies of the pieces.
 
-Their pieces, as they are: ``LocalUpdate.update_weights_gaux`` (util/update_baseline.py:364-505:
+Their pieces, as they are: ``LocalUpdate.update_weights_gaux`` (util/update_baseline.py:364-504:
 the lr × 0.1 from ``relabel_start`` on, the relabelling stored in the client's first relabelled
 round and read back after it, the labels replaced batch by batch, FedLoGe's three optimisers and
 three backward passes), ``LocalUpdate.relabel_local_data`` (:58-83) and the whole of
@@ -11,7 +11,7 @@ util/FedReLa.py's relabelling (``collect_Q``, ``compute_normalized_priors``,
 ``compute_classwise_statistics``, ``zscore``, ``compute_adaptive_threshold``,
 ``get_rho_with_tanh_norm``, ``relabel_local_data``: its pickle is written and read in a temporary
 working directory); ``FedAvg_noniid`` and ``FedAvg_noniid_classifier`` (util/fedavg.py). The
-server loop of fedloge.py:336-366 (a ``__main__`` block) is restated as in ``fedloge.py``'s adapter.
+server loop of fedloge.py:303-345 (a ``__main__`` block) is restated as in ``fedloge.py``'s adapter.
 
 What the harness hands them: the initial weights, fedlt's SSE-C as g_head and each client's first
 l_head (as FedLoGe's adapter); a loader of ``(index, x, y)`` that yields fedlt's minibatches for
@@ -19,12 +19,12 @@ training and, for ``collect_Q``'s five prediction passes, the client's samples i
 five shuffled passes; a sample's prediction does not depend on its batch, and the order makes
 their ``pred_dict`` — whose order is the order of their draws — the samples' order); and fedlt's
 relabelling draws (``fedlt.algorithms.fedrela.Relabelled.new_labels``' stream): their
-``np.random.rand(class_num)`` per sample (FedReLa.py:258) answers with the sample's row of them.
+``np.random.rand(class_num)`` per sample (FedReLa.py:250) answers with the sample's row of them.
 
 Modes. ``released``: their code as it is. Their fedloge.py forces every client into every round
-(``args.frac = 1``, fedloge.py:247), so a client first sampled after ``relabel_start`` never
+(``args.frac = 1``, fedloge.py:222), so a client first sampled after ``relabel_start`` never
 arises there; at partial participation their loop reads a relabelling that was never stored
-(``read`` = 1 outside the start round, update_baseline.py:454-456), gets None and trains on its
+(``read`` = 1 outside the start round, update_baseline.py:443-458), gets None and trains on its
 own labels (at the scaled lr). fedlt relabels such a client in its first round from the start on.
 ``matched`` (default): their ``args.relabel_start`` is, for such a client, the round it is first
 sampled in from the start on — the same rule as fedlt's, through their own code's store branch.
@@ -61,25 +61,25 @@ RELABEL = ["collect_Q", "compute_normalized_priors", "compute_classwise_statisti
            "compute_adaptive_threshold", "get_rho_with_tanh_norm", "relabel_local_data"]
 
 WHERE = {
-    "labels": ("fedlt/algorithms/fedrela.py:99-114 (Relabelled: new labels in the client's first round from "
-               "relabel_start on, kept in its state), :40-65 (relabel)",
-               "util/update_baseline.py:450-475 (store in round relabel_start, read after it), "
-               "util/FedReLa.py:219-262, 265-345"),
-    "weights": ("fedlt/algorithms/fedrela.py:99-105 (lr × lr_scale), fedlt/algorithms/longtail.py:451-497 "
+    "labels": ("fedlt/algorithms/fedrela.py:93-114 (Relabelled: new labels in the client's first round from "
+               "relabel_start on, kept in its state), :46-65 (relabel)",
+               "util/update_baseline.py:443-473 (stored in round relabel_start, read back after it; the labels "
+               "replaced batch by batch), util/FedReLa.py:14-343"),
+    "weights": ("fedlt/algorithms/fedrela.py:102 (lr × lr_scale), fedlt/algorithms/longtail.py:451-497 "
                 "(FedLoGeUpdate)",
-                "util/update_baseline.py:364-505 (update_weights_gaux: lr × 0.1 from relabel_start)"),
+                "util/update_baseline.py:364-504 (update_weights_gaux: lr × 0.1 from relabel_start, :366)"),
     "l_head": ("fedlt/algorithms/longtail.py:451-456, 474-479 (l_head from the client's state)",
-               "util/update_baseline.py:374, 492-496 with fedloge.py:346-350 (l_heads[client_id])"),
+               "util/update_baseline.py:375, 493-496 with fedloge.py:250-253, 322 (l_heads[client_id])"),
     "global": ("fedlt/algorithms/longtail.py:499-504 (Strategy.aggregate: weights n_k / Σ n)",
-               "util/fedavg.py FedAvg_noniid, FedAvg_noniid_classifier with fedloge.py:360-365"),
+               "util/fedavg.py FedAvg_noniid, FedAvg_noniid_classifier with fedloge.py:335-342"),
     "loss": ("fedlt/algorithms/fedavg_family.py (check_parts: mean over steps of the parts' sum)",
-             "util/update_baseline.py:498-505 (mean of per-epoch means of the three losses' sum)"),
+             "util/update_baseline.py:498-504 (mean of per-epoch means of the three losses' sum)"),
 }
 REASONS = {
     "released": {
         "labels": "their loop relabels a client only in round relabel_start (or every relabel_period rounds) and "
-                  "reads the stored labels after it (update_baseline.py:454-456); with every client in every round "
-                  "(fedloge.py:247, args.frac = 1) each one has stored them, but a client first sampled after "
+                  "reads the stored labels after it (update_baseline.py:443-458); with every client in every round "
+                  "(fedloge.py:222, args.frac = 1) each one has stored them, but a client first sampled after "
                   "relabel_start reads none and keeps its own labels. fedlt relabels it in its first round from "
                   "relabel_start on (docs/algorithms.md)",
     },
