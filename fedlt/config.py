@@ -245,7 +245,7 @@ class RunConfig(Strict):
                                          description="calibrate the noise multiplier so that ε after all rounds is "
                                                      "at most this (dp-accounting)")
     secure_aggregation: bool = Field(False, description="pairwise additive masking of the uploads (Bonawitz et al. "
-                                     "2017): the server reads only their sum")
+                                     "2017): the server reads only their sum; on engine flower, Flower's SecAgg+")
     stop_at_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
                                           description="the privacy budget: the run stops before the round whose ε "
                                                       "would exceed it (docs/privacy.md)")
@@ -258,9 +258,17 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _secure_aggregation_engine(self) -> "RunConfig":
-        if self.secure_aggregation and self.engine == "flower":
-            raise ValueError("secure_aggregation: not available on engine 'flower' (Flower's SecAgg+ is not wired "
-                             "in yet; fedlt's masking is a simulation on the local engine, docs/privacy.md)")
+        """On Flower, secure aggregation is Flower's SecAgg+ (fedlt.flower.secaggplus): one masked
+        upload per participant, two or more participants a round."""
+        if not (self.secure_aggregation and self.engine == "flower"):
+            return self
+        if hasattr(fedlt.algorithms.create(self.algorithm, **self.algorithm_params), "open_session"):
+            raise ValueError(f"secure_aggregation: algorithm {self.algorithm!r} trains in split-learning sessions (a "
+                             "message per local iteration), which Flower's SecAgg+ (one masked upload a participant) "
+                             "cannot carry; use engine 'local'")
+        if max(int(round(self.participation * self.clients)), 1) < 2:
+            raise ValueError("secure_aggregation: Flower's SecAgg+ needs 2 or more participants a round "
+                             f"(participation × clients = {self.participation:g} × {self.clients})")
         return self
 
     @field_validator("upload", mode="before")

@@ -117,23 +117,26 @@ def test_fedlt_replays_fedics_authors_rounds(harness, tmp_path):
         assert worst_difference(harness, "fedic", rec, recorded) <= fixture["tolerance"], f"round {rec.round + 1}"
 
 
-def test_fedetf_preset_authors_reproduces_the_authors_side(harness, tmp_path):
-    """Issue 41's Done-when: ``fedlt run --algo fedetf --preset authors`` on the replay's data (the
-    CLI, the engine, float32) ends at the global weights the authors' code reached in the replay
-    (``run.py fedetf``, matched mode: their optimiser built each round as fedlt's), within the
-    float32 tolerance. The fixture is recorded in float32: a float64 replay starts from other initial
-    weights (nn.Linear's initialisation draws differently in float64)."""
+# FedETF's fixture serves the rounds test too; Ditto's float32 one only this (its float64 one the rounds)
+@pytest.mark.parametrize("method,fixture_name", [("fedetf", "replay_fedetf"), ("ditto", "replay_ditto_float32")])
+def test_preset_authors_reproduces_the_authors_side(method, fixture_name, harness, tmp_path):
+    """Issue 41's Done-when: ``fedlt run --algo X --preset authors`` on the replay's data (the CLI,
+    the engine, float32) ends at the global weights the authors' code reached in the replay
+    (``run.py X --dtype float32``; FedETF in matched mode: their optimiser built each round as
+    fedlt's), and for Ditto at each last-round participant's personal model, within the float32
+    tolerance. The fixtures are float32: a float64 replay starts from other initial weights
+    (nn.Linear's initialisation draws differently in float64)."""
     from typer.testing import CliRunner
 
     import fedlt.cli.commands  # noqa: F401  (registers the commands on the app)
     from fedlt.cli import app
 
-    fixture = json.loads((GOLDEN / "replay_fedetf.json").read_text())
-    assert fixture["dtype"] == "float32" and fixture["first_difference"] is None
+    fixture = json.loads((GOLDEN / f"{fixture_name}.json").read_text())
+    assert fixture["dtype"] == "float32" and fixture["first_difference"] is None and fixture["method"] == method
     s = fixture["settings"]
     data = harness.write_data(tmp_path / "data.npz", **fixture["data"])
     result = CliRunner().invoke(app, [
-        "run", "--algo", "fedetf", "--preset", "authors", "--dataset", "arrays", "--data-root", str(data),
+        "run", "--algo", method, "--preset", "authors", "--dataset", "arrays", "--data-root", str(data),
         "--partition", "dirichlet(beta=0.5, min_size=2)", "--clients", str(s["clients"]),
         "--participation", str(s["participation"]), "--model", s["model"], "--rounds", str(s["rounds"]),
         "--seed", "0", "--out", str(tmp_path / "run")])
@@ -141,8 +144,15 @@ def test_fedetf_preset_authors_reproduces_the_authors_side(harness, tmp_path):
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: config[k] for k in ("optimiser", "local_epochs", "batch_size", "drop_last")} == \
         {k: s[k] for k in ("optimiser", "local_epochs", "batch_size", "drop_last")}  # the preset chose theirs
-    weights = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["algorithm"]["model"]
-    last = fixture["record"][-1]["global"]
-    assert set(weights) == set(last)
-    worst = max(harness.fingerprint_difference(weights[k], fp) for k, fp in last.items())
-    assert worst <= fixture["tolerance"], worst
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    last = fixture["record"][-1]
+    pairs = [(checkpoint["algorithm"]["model"], last["global"])]
+    pairs += [(checkpoint["client_states"][int(cid)]["personal"], theirs["personal"])  # Ditto's v
+              for cid, theirs in last["clients"].items() if "personal" in theirs]
+    assert len(pairs) == (1 if method == "fedetf" else 1 + len(last["participants"]))
+    for weights, prints in pairs:
+        assert set(weights) == set(prints)
+        worst = max(harness.fingerprint_difference(weights[k], fp) if isinstance(fp, dict)  # short ones whole
+                    else harness.relative_difference(weights[k].double(), torch.tensor(fp, dtype=torch.float64))
+                    for k, fp in prints.items())
+        assert worst <= fixture["tolerance"], worst
