@@ -61,11 +61,11 @@ RELABEL = ["collect_Q", "compute_normalized_priors", "compute_classwise_statisti
            "compute_adaptive_threshold", "get_rho_with_tanh_norm", "relabel_local_data"]
 
 WHERE = {
-    "labels": ("fedlt/algorithms/fedrela.py:93-114 (Relabelled: new labels in the client's first round from "
+    "labels": ("fedlt/algorithms/fedrela.py:95-116 (Relabelled: new labels in the client's first round from "
                "relabel_start on, kept in its state), :46-65 (relabel)",
                "util/update_baseline.py:443-473 (stored in round relabel_start, read back after it; the labels "
                "replaced batch by batch), util/FedReLa.py:14-343"),
-    "weights": ("fedlt/algorithms/fedrela.py:102 (lr × lr_scale), fedlt/algorithms/longtail.py:451-497 "
+    "weights": ("fedlt/algorithms/fedrela.py:104 (lr × lr_scale), fedlt/algorithms/longtail.py:451-497 "
                 "(FedLoGeUpdate)",
                 "util/update_baseline.py:364-504 (update_weights_gaux: lr × 0.1 from relabel_start, :366)"),
     "l_head": ("fedlt/algorithms/longtail.py:451-456, 474-479 (l_head from the client's state)",
