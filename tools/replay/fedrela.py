@@ -65,14 +65,14 @@ WHERE = {
                "relabel_start on, kept in its state), :46-65 (relabel)",
                "util/update_baseline.py:443-473 (stored in round relabel_start, read back after it; the labels "
                "replaced batch by batch), util/FedReLa.py:14-343"),
-    "weights": ("fedlt/algorithms/fedrela.py:104 (lr × lr_scale), fedlt/algorithms/longtail.py:451-497 "
+    "weights": ("fedlt/algorithms/fedrela.py:104 (lr × lr_scale), fedlt/algorithms/longtail.py:451-487 "
                 "(FedLoGeUpdate)",
                 "util/update_baseline.py:364-504 (update_weights_gaux: lr × 0.1 from relabel_start, :366)"),
     "l_head": ("fedlt/algorithms/longtail.py:451-456, 474-479 (l_head from the client's state)",
                "util/update_baseline.py:375, 493-496 with fedloge.py:250-253, 322 (l_heads[client_id])"),
-    "global": ("fedlt/algorithms/longtail.py:499-504 (Strategy.aggregate: weights n_k / Σ n)",
+    "global": ("fedlt/algorithms/longtail.py:499-521 (FedLoGeStrategy.aggregate: weights n_k / Σ n)",
                "util/fedavg.py FedAvg_noniid, FedAvg_noniid_classifier with fedloge.py:335-342"),
-    "loss": ("fedlt/algorithms/fedavg_family.py (check_parts: mean over steps of the parts' sum)",
+    "loss": ("fedlt/algorithms/fedavg_family.py:318 (check_parts: mean over steps of the parts' sum)",
              "util/update_baseline.py:498-504 (mean of per-epoch means of the three losses' sum)"),
 }
 REASONS = {
