@@ -68,7 +68,7 @@ WHERE = {
     "weights": ("fedlt/algorithms/fedrela.py:104 (lr × lr_scale), fedlt/algorithms/longtail.py:451-487 "
                 "(FedLoGeUpdate)",
                 "util/update_baseline.py:364-504 (update_weights_gaux: lr × 0.1 from relabel_start, :366)"),
-    "l_head": ("fedlt/algorithms/longtail.py:451-456, 474-479 (l_head from the client's state)",
+    "l_head": ("fedlt/algorithms/longtail.py:459-464, 475-487 (l_head from the client's state, its own step)",
                "util/update_baseline.py:375, 493-496 with fedloge.py:250-253, 322 (l_heads[client_id])"),
     "global": ("fedlt/algorithms/longtail.py:499-521 (FedLoGeStrategy.aggregate: weights n_k / Σ n)",
                "util/fedavg.py FedAvg_noniid, FedAvg_noniid_classifier with fedloge.py:335-342"),
