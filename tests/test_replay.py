@@ -49,9 +49,11 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-# Fed-GraB (the seed method), FedProto, FedLoGe, FedETF; PFLlib's Ditto (a whole personal model), FedRoD (two
-# heads, the balanced softmax, its personal prediction) and FedBABU (fine-tuned at evaluation)
-@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedetf"])
+# Fed-GraB (the seed method), FedProto, FedLoGe, FedReLa (its relabelled labels from round 2), FedETF; PFLlib's
+# Ditto (a whole personal model), FedRoD (two heads, the balanced softmax, its personal prediction) and FedBABU
+# (fine-tuned at evaluation)
+@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedrela",
+                                    "fedetf"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw
@@ -92,6 +94,17 @@ def test_the_fedproto_replay_tells_another_prototype_weight_apart(harness, tmp_p
     rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params={"lam": 0.5}))
     assert worst_difference(harness, "fedproto", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
     assert worst_difference(harness, "fedproto", rounds[1], fixture["record"][1]) > 1e-6
+
+
+def test_the_fedrela_replay_tells_another_relabelling_apart(harness, tmp_path):
+    """thre 25 instead of their 5: round 1 (before relabel_start) agrees; round 2's labels, and the
+    weights trained on them, do not."""
+    fixture = json.loads((GOLDEN / "replay_fedrela.json").read_text())
+    fixture["settings"]["rounds"] = 2
+    params = fixture["settings"].pop("algorithm_params") | {"thre": 25.0}
+    rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params=params))
+    assert worst_difference(harness, "fedrela", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
+    assert worst_difference(harness, "fedrela", rounds[1], fixture["record"][1]) > 1e-3
 
 
 def test_fedlt_replays_fedics_authors_rounds(harness, tmp_path):
