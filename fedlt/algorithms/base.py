@@ -238,8 +238,9 @@ class RunContext:
     drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
     compile: str | None = None  # --compile: the steps' torch.compile backend (fedlt.algorithms.compiled); None: eager
     # training images only the server holds, taken out before partitioning (an algorithm's
-    # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none, and in a
-    # process that runs only client work (a worker, a Flower node)
+    # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none. A process
+    # that rebuilds the run for client work (a Flower node) holds it too — it needs the hold-out
+    # to cut the same partition from what is left — but only the server's strategy reads it
     server_data: ClientData | None = None
 
     def round(self, round_index: int, participants: Sequence[ClientData],
