@@ -224,7 +224,12 @@ def prepare(config: RunConfig, partition: Any = None, data: InMemoryDataset | No
     if pipeline.changes_eval and fresh:
         data = dataclasses.replace(data, x_test=pipeline.eval_all(data.x_test))
     if partition is None:
-        partition = make_partition(config, data)
+        try:
+            partition = make_partition(config, data)
+        except FedltError as exc:  # a partition file cut from the whole set, before the server's images left it
+            raise FedltError(f"{exc} (the server holds {per_class} images of each class out of the training set "
+                             f"first: {config.algorithm}'s {what})" if per_class and config.partition_file
+                             else str(exc)) from None
     client_tests = make_client_tests(config, data, partition)
     counts = np.asarray(partition.class_counts)
     if client_tests is not None and client_tests.train_indices is not None:  # holdout: trained on what is left
