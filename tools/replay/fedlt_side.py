@@ -239,6 +239,9 @@ def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
         up = result.extras["server_step"]
         out["gradients"] = {f"{c}.{name}": up[f"grad_{name}"][i] for i, c in enumerate(up["classes"].tolist())
                             for name in ("weight", "bias")}
+    if method == "fednh":  # the class prototypes it uploads
+        up = result.extras["server_step"]
+        out["prototypes"] = {"scaled": up["scaled_prototype"], "counts": up["counts"]}
     if "alpha" in result.state:
         out["alpha"] = {"alpha": result.state["alpha"]}
     if method == "fedproto":  # the classes it holds: their prototypes are a dict over those

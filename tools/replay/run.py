@@ -41,6 +41,7 @@ import fedgrab  # noqa: E402
 import fedic  # noqa: E402
 import fedlf  # noqa: E402
 import fedloge  # noqa: E402
+import fednh  # noqa: E402
 import fedproto  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
@@ -49,7 +50,7 @@ from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quant
                         relative_difference, replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
-            "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff,
+            "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh,
             "fedloge": fedloge, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 # BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
