@@ -51,10 +51,11 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-# Fed-GraB (the seed method), FedProto, FedLoGe, FedETF, FedNH (its uploaded prototypes too); PFLlib's Ditto (a
-# whole personal model), FedRoD (two heads, the balanced softmax, its personal prediction) and FedBABU (fine-tuned
-# at evaluation)
-@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedetf", "fednh"])
+# Fed-GraB (the seed method), FedProto, FedLoGe, FedETF, FedNH (its uploaded prototypes too), CCVR (FL-bench's
+# implementation, its calibrated classifier in the global weights); PFLlib's Ditto (a whole personal model), FedRoD
+# (two heads, the balanced softmax, its personal prediction) and FedBABU (fine-tuned at evaluation)
+@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedetf", "fednh",
+                                    "ccvr"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw

@@ -58,7 +58,8 @@ SETTINGS = {"model": "resnet8", "algorithm_params": {"step": STEP}}
 WHERE = {
     "gradients": ("fedlt/server_steps/creff.py: CReFFStep.collect, class_gradients",
                   "main.py:175-231 (Local.compute_gradient)"),
-    "weights": ("fedlt/algorithms/fedavg_family.py (the FedAvg family's client loop)", "main.py:233-253 (Local.local_train)"),
+    "weights": ("fedlt/algorithms/fedavg_family.py (the FedAvg family's client loop)",
+                "main.py:233-253 (Local.local_train)"),
     "global": ("fedlt/server_steps/creff.py: CReFFStep.apply (update_features, retrain_classifier) on FedAvg",
                "main.py:51-135 (Global.update_feature_syn, feature_re_train, initialize_for_model_fusion)"),
 }
@@ -129,7 +130,8 @@ class Authors:
             "unsqueeze": torch.unsqueeze, "max": torch.max, "eq": torch.eq, "no_grad": torch.no_grad,
             "transforms": identity, "DiffAugment": None, "time": None, "args": self.args,
             "args_parser": lambda: self.args, "ResNet_cifar": lambda **kwargs: featured(initial)}
-        definitions(source(git_dir, COMMIT, "Dataset/Gradient_matching_loss.py"), ["match_loss", "distance_wb"], self.ns)
+        definitions(source(git_dir, COMMIT, "Dataset/Gradient_matching_loss.py"), ["match_loss", "distance_wb"],
+                    self.ns)
         definitions(source(git_dir, COMMIT, "Dataset/dataset.py"), ["get_class_num"], self.ns)
         exec_classes(git_dir, self.ns)
         with default_dtype(self.dtype):
@@ -182,7 +184,8 @@ class Authors:
             gradient = local.compute_gradient(copy.deepcopy(self.syn_feature_params()), self.args)  # main.py:316
             assert not self.np.perms
             params = local.local_train(self.args, copy.deepcopy(self.server.download_params()))  # main.py:319
-        grads = {f"{c}.{name}": g[i].detach().clone() for c, g in gradient.items() for i, name in enumerate(("weight", "bias"))}
+        grads = {f"{c}.{name}": g[i].detach().clone() for c, g in gradient.items()
+                 for i, name in enumerate(("weight", "bias"))}
         self.uploads[cid] = gradient  # as their server receives it (class -> [weight, bias])
         return {"weights": {k: v.detach().clone() for k, v in params.items()}, "gradients": grads, "loss": None}
 
@@ -190,8 +193,8 @@ class Authors:
         self.orders = [o for orders in self.server_draws.orders for o in orders]
         self.server_draws.orders.clear()
         with default_dtype(self.dtype):
-            fedavg = self.server.initialize_for_model_fusion([copy.deepcopy(results[c]["weights"]) for c in participants],
-                                                             [sizes[c] for c in participants])  # main.py:322
+            fedavg = self.server.initialize_for_model_fusion(  # main.py:322
+                [copy.deepcopy(results[c]["weights"]) for c in participants], [sizes[c] for c in participants])
             self.server.update_feature_syn(self.args, copy.deepcopy(self.syn_feature_params()),
                                            [copy.deepcopy(self.uploads[c]) for c in participants])  # :323
             self.syn_params, self.ft_params = self.server.feature_re_train(copy.deepcopy(fedavg),

@@ -90,7 +90,7 @@ class Recorder:
         def client_work(algorithm, task):
             recorder.cid = task.cid
             result = work(algorithm, task)
-            recorder.results[task.cid] = result
+            recorder.results.setdefault(task.cid, result)  # the training call (CCVR's second call only collects)
             return result
 
         def sgb(term, logits, targets, **kw):

@@ -34,6 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
+import ccvr  # noqa: E402
 import creff  # noqa: E402
 import fedetf  # noqa: E402
 import fedgela  # noqa: E402
@@ -50,7 +51,7 @@ from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quant
                         relative_difference, replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
-            "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh,
+            "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh, "ccvr": ccvr,
             "fedloge": fedloge, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 # BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
