@@ -260,8 +260,8 @@ def run(
     stop_at_epsilon: Optional[float] = typer.Option(None, "--stop-at-epsilon", help="stop before the round whose ε "
                                                     "would exceed this budget (docs/privacy.md)"),
     secure_aggregation: Optional[bool] = typer.Option(None, "--secure-aggregation/--no-secure-aggregation",
-                                                      help="pairwise masked uploads: the server reads only their sum "
-                                                           "(docs/privacy.md)"),
+                                                      help="pairwise masked uploads: the server reads only their sum; "
+                                                           "on --engine flower, Flower's SecAgg+ (docs/privacy.md)"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML / YAML / JSON file; flags override it"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<algo>-<time>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),

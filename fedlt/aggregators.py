@@ -76,6 +76,10 @@ class Aggregator(SpecModel):
     """
 
     name: ClassVar[str] = "aggregator"
+    # Why it needs each participant's own state, not only their weighted mean (None: the mean is
+    # enough). Secure aggregation and central DP hand the server the mean alone, so a run that
+    # combines them with such an aggregator is refused (RunConfig._parts_fit).
+    reads_each_update: ClassVar[str | None] = None
 
     def __call__(self, global_state: State, results: Sequence[tuple[State, float]],
                  trainable: Collection[str]) -> State:
@@ -251,6 +255,7 @@ class FedExP(Aggregator):
     """
 
     name = "fedexp"
+    reads_each_update = "its step size η_g is computed from each client's own update norm ‖Δ_k‖²"
     eps: Annotated[float, Field(ge=0, allow_inf_nan=False,
                                 description="ε added to ‖Δ̄‖² in the step size's denominator")] = 1e-3
 

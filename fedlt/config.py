@@ -245,7 +245,7 @@ class RunConfig(Strict):
                                          description="calibrate the noise multiplier so that ε after all rounds is "
                                                      "at most this (dp-accounting)")
     secure_aggregation: bool = Field(False, description="pairwise additive masking of the uploads (Bonawitz et al. "
-                                     "2017): the server reads only their sum")
+                                     "2017): the server reads only their sum; on engine flower, Flower's SecAgg+")
     stop_at_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
                                           description="the privacy budget: the run stops before the round whose ε "
                                                       "would exceed it (docs/privacy.md)")
@@ -258,9 +258,17 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _secure_aggregation_engine(self) -> "RunConfig":
-        if self.secure_aggregation and self.engine == "flower":
-            raise ValueError("secure_aggregation: not available on engine 'flower' (Flower's SecAgg+ is not wired "
-                             "in yet; fedlt's masking is a simulation on the local engine, docs/privacy.md)")
+        """On Flower, secure aggregation is Flower's SecAgg+ (fedlt.flower.secaggplus): one masked
+        upload per participant, two or more participants a round."""
+        if not (self.secure_aggregation and self.engine == "flower"):
+            return self
+        if hasattr(fedlt.algorithms.create(self.algorithm, **self.algorithm_params), "open_session"):
+            raise ValueError(f"secure_aggregation: algorithm {self.algorithm!r} trains in split-learning sessions (a "
+                             "message per local iteration), which Flower's SecAgg+ (one masked upload a participant) "
+                             "cannot carry; use engine 'local'")
+        if max(int(round(self.participation * self.clients)), 1) < 2:
+            raise ValueError("secure_aggregation: Flower's SecAgg+ needs 2 or more participants a round "
+                             f"(participation × clients = {self.participation:g} × {self.clients})")
         return self
 
     @field_validator("upload", mode="before")
@@ -485,7 +493,20 @@ class RunConfig(Strict):
             compatibility.check(self.algorithm, algorithm, [m["name"] for m in self.client_eval_modes()])
         except FedltError as exc:
             raise ValueError(str(exc)) from None
+        self._server_sees_what_it_reads(algorithm)
         return self
+
+    def _server_sees_what_it_reads(self, algorithm: Any) -> None:
+        """Secure aggregation and central client-level DP hand the server only the participants'
+        weighted mean (fedlt.uploads): an algorithm that reads each client's own update would run
+        silently as something else, so it is refused."""
+        central = self.privacy is not None and fedlt.privacy.mechanism(self.privacy).central
+        reason = getattr(algorithm, "reads_each_update", lambda: None)()
+        if reason and (self.secure_aggregation or central):
+            field = "secure_aggregation" if self.secure_aggregation else "privacy"
+            raise ValueError(f"{field}: the server then sees only the participants' mean update, but algorithm "
+                             f"{self.algorithm!r} needs each one: {reason}; use --privacy local(...) or "
+                             "sample_level(...) without secure aggregation, or another algorithm/aggregator")
 
     @model_validator(mode="after")
     def _client_tests_for_the_modes(self) -> "RunConfig":

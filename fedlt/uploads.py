@@ -40,7 +40,7 @@ from fedlt.privacy import (Accountant, ClientLevel, Mechanism, Plan, SampleAccou
                            calibrate_sample_level, default_delta, mechanism)
 from fedlt.privacy import epsilon as epsilon_after
 from fedlt.privacy.dpsgd import steps_per_round
-from fedlt.privacy.upload import UploadPlan, masked_sum, open_upload
+from fedlt.privacy.upload import UploadPlan, masked_sum, open_upload, secaggplus_sum
 
 
 def noise_seed(sampling_seed: int, round_index: int) -> int:
@@ -241,7 +241,10 @@ class UploadRunner:
     def aggregate(self, task: ClientTask, results: Sequence[ClientResult]) -> tuple[dict[str, torch.Tensor], Any]:
         """The round's aggregate update A (see the module), from the sum the server may read."""
         glob, ctx = task.weights, task.context
-        if self.settings.secure:
+        if self.settings.secure and "aggregate" in results[0].packed:  # Flower's SecAgg+ (fedlt.flower.secaggplus)
+            total, weight, unclipped = secaggplus_sum(glob, list(results[0].packed["keys"]),
+                                                      results[0].packed["aggregate"], len(results))
+        elif self.settings.secure:
             keys = list(results[0].packed["keys"])
             masked = {r.cid: r.packed["masked"] for r in results}
             total, weight, unclipped = masked_sum(glob, keys, masked, ctx.participants, ctx.sampling_seed,

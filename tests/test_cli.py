@@ -61,13 +61,15 @@ def test_two_round_scala_run_writes_a_valid_run_directory(tmp_path):
     (["run", "--algo", "fedavg", "--loss", "ce +"], "algorithm_params: fedavg: loss: loss expression"),
     (["run", "--beta", "-2"], "partition: dirichlet: beta: Input should be greater than 0"),
     (["list", "widgets"], "widgets"),
-    # issue 42: the upload chain, the DP mechanism, delta, and secure aggregation where it is not built
+    # issue 42: the upload chain, the DP mechanism, delta, and secure aggregation where it cannot work
     (["run", "--upload", "topk(fraction=2)"], "upload: topk: fraction: Input should be less than or equal to 1"),
     (["run", "--upload", "clip +"], "upload"),
     (["run", "--privacy", "client_level(clip=0)"], "privacy: client_level: clip: Input should be greater than 0"),
     (["run", "--privacy", "gaussian"], "privacy: unknown mechanism 'gaussian'"),
     (["run", "--delta", "1.5"], "delta"),
-    (["run", "--secure-aggregation", "--engine", "flower"], "secure_aggregation: not available on engine 'flower'"),
+    (["run", "--secure-aggregation", "--engine", "flower"],  # SCALA: a message per iteration, not one masked upload
+     "secure_aggregation: algorithm 'scala' trains in split-learning sessions"),
+    (["run", "--algo", "fedic", "--secure-aggregation"], "secure_aggregation: the server then sees only the participants'"),
     # a split point alexnet does not have, though fedavg never splits
     (["run", "--algo", "fedavg", "--split", "s7"], "split: 's7' is not a split point of alexnet (valid: s1, s2, s3"),
 ])

@@ -104,6 +104,17 @@ def test_epsilon_is_dp_accountings_for_abadi_et_als_example():
     assert again.epsilon() == halves.epsilon() and again.epsilons[1] < again.epsilons[0]
 
 
+def test_the_ledger_computes_a_client_sizes_step_curve_once(monkeypatch):
+    """Each (n_k, b_k)'s one-step curve is the ledger's for the run: round_rdp's bounded cache
+    alone would recompute it (seconds each) every round once more than 64 sizes take part."""
+    calls, curve = [], P.round_rdp.__wrapped__  # uncached: every call counted
+    monkeypatch.setattr(P, "round_rdp", lambda *a: calls.append(a) or curve(*a))
+    ledger = P.SampleAccountant(P.mechanism("sample_level(clip=1.0, noise_multiplier=2.0)"), 1e-5)
+    first = ledger.record([(0, 500, 50, 3)])
+    assert ledger.record([(0, 500, 50, 3)]) > first and ledger.prospective([(0, 500, 50, 3)]) > first
+    assert [a for a in calls if a[1:3] == (500, 50)] == [(2.0, 500, 50, "poisson")]
+
+
 def test_calibration_keeps_every_client_under_the_target():
     settings = UploadSettings(privacy={"name": "sample_level", "clip": 1.0}, target_epsilon=3.0, delta=1e-5,
                               clients=2, per_round=2, rounds=50, sizes=(60_000, 60_000),
@@ -158,6 +169,25 @@ def test_the_run_stops_before_the_round_that_would_spend_past_the_budget(tmp_pat
     assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
 
 
+def test_the_budget_looks_at_the_clients_the_round_will_draw(tmp_path, monkeypatch):
+    """With availability acting before sampling, the budget's ε is that of the clients the round
+    draws among the reachable ones (sample-level ε differs per client), not of a draw among all."""
+    from fedlt.run import parts
+    from fedlt.run.loop import RoundLoop
+    from fedlt.uploads import UploadRunner
+
+    asked, drawn = [], []
+    prospective, sample = UploadRunner.prospective_epsilon, RoundLoop.sample
+    monkeypatch.setattr(UploadRunner, "prospective_epsilon", lambda self, c: asked.append(list(c)) or prospective(self, c))
+    monkeypatch.setattr(RoundLoop, "sample", lambda self, r: drawn.append(sample(self, r)) or drawn[-1])
+    cfg = RunConfig(**(BASE | {"clients": 4, "participation": 0.5, "local_epochs": None, "local_iters": 2}), rounds=3,
+                    availability={"name": "bernoulli", "p": 0.5, "when": "before"}, stop_at_epsilon=1e6,
+                    out=tmp_path / "run")
+    run(cfg)
+    assert [list(parts.sample_clients(4, 0.5, cfg.seeds.sampling, r)) for r in range(3)] != drawn  # availability acted
+    assert asked == drawn
+
+
 def test_the_budget_stops_a_client_level_run_too(tmp_path):
     """local(...): ε after r rounds is dp-accounting's for r Gaussian releases; a budget between
     rounds 2 and 3 stops a 4-round run after round 2."""
@@ -199,3 +229,13 @@ def test_what_cannot_take_per_sample_gradients_is_refused(tmp_path):
     assert "MoonUpdate overrides ClientUpdate.terms" in sample_level_reason(fedlt.algorithms.create("moon"), _mlp())
     with pytest.raises(FedltError, match="'fedgrab': its loss 'fedgrab' has term.* keeping state"):
         prepare(RunConfig(**(BASE | {"algorithm": "fedgrab"}), rounds=1, out=tmp_path / "sgb"))
+
+
+@pytest.mark.parametrize("name", ["moon", "feddecorr", "fedlf", "fedrod", "fedproto"])
+def test_a_variant_with_a_term_of_its_own_is_refused(name):
+    """DP-SGD's per-sample loss is the objective alone: a variant adding a term (``terms``: MOON's
+    contrastive term, FedProto's prototype distance, ...) would silently train as FedAvg."""
+    import fedlt.algorithms
+    from fedlt.algorithms.private import sample_level_reason
+
+    assert "overrides ClientUpdate.terms" in (sample_level_reason(fedlt.algorithms.create(name), _mlp()) or "")

@@ -53,6 +53,11 @@ STATEFUL = [("fedavg", {"aggregator": "fedadam"}),  # a stateful aggregator (Ada
 PRIVATE = ("fedvls", {}, {"privacy": "client_level(clip=1.0, noise_multiplier=1.1)",
                           "upload": "topk(fraction=0.1, error_feedback=true)"})
 
+# issue 42: --secure-aggregation is Flower's SecAgg+ on Flower and fedlt's simulated masking locally,
+# with client-level DP; 3 sampled a round and one of them dropped (2 mask), and the Flower resume
+SECURE = ("fedvls", {}, {"privacy": "client_level(clip=1.0, noise_multiplier=1.1)", "secure_aggregation": True,
+                         "participation": 0.75})
+
 # the runs the tests below read beside the contract's verdict: the FedAvg family, a server
 # optimiser, a stateful client loss (SGB's state persists on each client), SCALA's per-iteration
 # exchange; ("fedadam" is STATEFUL's FedAdam, the others are `every`'s cases, with dropped clients)
@@ -86,18 +91,23 @@ def simulation(tmp_path_factory, one_thread):
     every = EngineCheck([*cheap.cases(installed), grouped, PRIVATE],  # tests/cheap.py
                         root / "every", drops=True, resume=True, clients=4, train_limit=300, eval_every=2)
     stateful = EngineCheck(STATEFUL, root / "stateful", resume=False, eval_every=1)
+    # atol 1e-4: SecAgg+'s rounding (~1e-9 of the update) moves the per-client losses of this
+    # DP-noised model (~700) by ~5e-5; the model itself is compared at 1e-6 below
+    secure = EngineCheck([SECURE], root / "secure", atol=1e-4, drops=True, resume=True, clients=4, train_limit=300,
+                         eval_every=2)
     fedgrab = case_runs(every, "fedgrab")[1]
     extended = [Job(fedgrab.model_copy(update={"rounds": 1, "out": root / "extended"})),
                 Job(fedgrab.model_copy(update={"out": root / "extended"}), resume=True)]
-    for check in (every, stateful):
+    for check in (every, stateful, secure):
         check.run_local()
     adam = case_runs(stateful, "fedavg", {"aggregator": "fedadam"})[0]
     run(adam.model_copy(update={"algorithm_params": {}, "out": root / "fedavg-local"}))
-    jobs = [*every.jobs, *stateful.jobs, *extended]
+    run(secure.runs[0][0].model_copy(update={"secure_aggregation": False, "out": root / "secure-plain"}))
+    jobs = [*every.jobs, *stateful.jobs, *extended, *secure.jobs]
     outcomes = simulate(jobs)
     exchanges = {(Path(j.config.out), j.resume): o["exchanges"] for j, o in zip(jobs, outcomes)}  # in job order
-    return SimpleNamespace(installed=installed, every=every, stateful=stateful, root=root, grouped=grouped,
-                           exchanges=exchanges)
+    return SimpleNamespace(installed=installed, every=every, stateful=stateful, secure=secure, root=root,
+                           grouped=grouped, exchanges=exchanges)
 
 
 def own_runs(simulation, case: str) -> tuple[RunConfig, RunConfig, RunConfig, Path]:
@@ -131,6 +141,28 @@ def test_private_compressed_uploads_count_the_same_bytes_and_epsilon_on_every_en
     rows = [[{k: r[k] for k in keys} for r in map(json.loads, (Path(c.out) / "metrics.jsonl").read_text().splitlines())]
             for c in (local, flower)]
     assert rows[0] == rows[1] and all(r["epsilon"] > 0 and r["dropped"] for r in rows[0])
+
+
+@pytest.mark.xdist_group("ray")
+def test_secure_aggregation_on_flower_is_secaggplus_and_gives_the_plain_runs_model(simulation):
+    """FedVLS + client-level DP + --secure-aggregation with a client dropped each round: on Flower
+    each round's training went through Flower's SecAggPlusWorkflow and secaggplus_mod (their log
+    lines), and the contract holds against the local engine's masked run (model, server and client
+    states, per-client numbers within 1e-4; the Flower run cut after round 1 and resumed ends bit for
+    bit where it did, ε included). Against the plain (unmasked) local run: the same ε every round
+    and every weight within 1e-6 — SecAgg+'s quantisation moves each round's update by at most
+    (n/qK)·2c/T = (2/3)·2·1/2^30 ≈ 1.2e-9 (2 of 3 upload; fedlt.flower.secaggplus), the rest is float32 rounding."""
+    simulation.secure.verify()
+    local, flower, resumed, _ = simulation.secure.runs[0]
+    log = (Path(flower.out) / "flower.log").read_text()
+    # the simulation's log lines go to each of its runs: 2 rounds, then round 2 of the resumed run
+    assert log.count("Secure aggregation completed.") == 3 and "Secure aggregation halted" not in log
+    plain = simulation.root / "secure-plain"
+    assert [r["epsilon"] for r in rows_of(plain)] == [r["epsilon"] for r in rows_of(flower.out)]
+    ours, theirs = model_of(flower.out), model_of(plain)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(ours[n], theirs[n]) for n in theirs)  # quantised: not the plain sum bit for bit
 
 
 @pytest.mark.xdist_group("ray")

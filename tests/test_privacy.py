@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -131,14 +132,103 @@ def test_secure_aggregation_alone_gives_the_plain_runs_model(tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
 
 
-def test_secure_aggregation_is_refused_on_flower_in_one_line():
-    with pytest.raises(ValueError, match="secure_aggregation: not available on engine 'flower'"):
-        RunConfig(engine="flower", secure_aggregation=True)
+def test_secure_aggregation_on_flower_refuses_split_learning_and_lone_participants_in_one_line():
+    """Flower's SecAgg+ masks one upload a participant, two or more a round: SCALA's per-iteration
+    exchange and a round of one are refused, naming the reason; FedVLS is accepted."""
+    with pytest.raises(ValueError, match="algorithm 'scala' trains in split-learning sessions .* Flower's SecAgg\\+"):
+        RunConfig(engine="flower", secure_aggregation=True, algorithm="scala")
+    with pytest.raises(ValueError, match="needs 2 or more participants a round \\(participation × clients = 0.5 × 2\\)"):
+        RunConfig(engine="flower", secure_aggregation=True, algorithm="fedvls", clients=2, participation=0.5)
+    assert RunConfig(engine="flower", secure_aggregation=True, algorithm="fedvls").secure_aggregation
+
+
+@pytest.fixture
+def secaggplus_nodes():
+    """Flower's own SecAggPlusWorkflow and secaggplus_mod in this process (no Ray): five nodes whose
+    ClientApp (the mod around a train handler) uploads a fixed update and weight — node 3 fails in
+    the collect stage when ``failing`` holds it — reached through a grid that delivers copies, as
+    the wire does (the workflow sends one content object to every node and the mod edits it)."""
+    pytest.importorskip("flwr")
+    import copy
+
+    import numpy as np
+    from flwr.app import Context, Error, Message, RecordDict
+    from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp import ClientApp
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.compat.common import recorddict_compat as compat
+    from flwr.supercore.task_identity import TaskIdentity
+
+    rng = np.random.default_rng(0)
+    nodes = SimpleNamespace(updates={k: rng.uniform(-1, 1, 1000) for k in range(1, 6)}, failing=set())
+    nodes.weights = {k: int(rng.integers(10, 300)) for k in nodes.updates}
+    app = ClientApp()
+
+    @app.train(mods=[secaggplus_mod])
+    def train(message, context):
+        node = message.metadata.dst_node_id
+        if node in nodes.failing:
+            raise FedltError(f"node {node} fails")
+        res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([nodes.updates[node]]), nodes.weights[node], {})
+        return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=message)
+
+    contexts = {k: Context(run_id=0, node_id=k, node_config={}, state=RecordDict(), run_config={}) for k in nodes.updates}
+
+    class Grid:
+        def send_and_receive(self, messages, *, timeout=None):
+            sent = [Message(copy.deepcopy(m.content), m.metadata.dst_node_id, m.metadata.message_type,
+                            group_id=m.metadata.group_id) for m in messages]
+            return [answer(m) for m in sent]
+
+    def answer(message):  # a node's runtime turns its ClientApp's exception into an error reply
+        try:
+            return app(message, contexts[message.metadata.dst_node_id])
+        except FedltError as exc:
+            return Message(Error(code=0, reason=f"FedltError: {exc}"), reply_to=message)
+
+    nodes.grid = Grid()
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, 0  # a ServerApp's process sets them
+    yield nodes
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_flowers_secaggplus_gives_the_weighted_mean_within_the_stated_bound(secaggplus_nodes, uniform):
+    """fedlt's SecAgg+ settings (fedlt.flower.secaggplus) through Flower's real workflow and mod: the
+    unmasked mean is the exact weighted mean of the uploads (|D_k| weights, or 1 each under
+    client-level DP) within ``tolerance`` — one rounding step 2c/T an upload, n of them over Σ r_k —
+    and not much better (the bound is not loose by orders); with node 3 failing in the collect stage,
+    its masks are recovered and the mean is the other four's, within their bound."""
+    import numpy as np
+    from flwr.common import FitIns, Parameters
+
+    from fedlt.flower import secaggplus
+    from fedlt.privacy.upload import UploadPlan
+
+    nodes = secaggplus_nodes
+    if uniform:
+        nodes.weights = dict.fromkeys(nodes.weights, 1)
+    plan = UploadPlan(clip=1.0, secure=True, uniform=uniform)
+    for failing in (set(), {3}):
+        nodes.failing = failing
+        kept = [k for k in nodes.updates if k not in failing]
+        found = secaggplus.settings(plan, len(nodes.updates), max(nodes.weights.values()))
+        grid = secaggplus.ErrorsSeen(nodes.grid)
+        strategy = secaggplus.run_workflow(grid, {k: FitIns(Parameters([], "numpy.ndarray"), {}) for k in nodes.updates},
+                                           found, 1)
+        exact = sum(nodes.weights[k] * nodes.updates[k] for k in kept) / sum(nodes.weights[k] for k in kept)
+        error, bound = np.abs(strategy.aggregate - exact).max(), secaggplus.tolerance(found, [nodes.weights[k] for k in kept])
+        assert sorted(strategy.results) == kept and bound / 20 < error <= bound, (failing, error, bound)
+        assert found.quantization_range == 2 ** 28 and found.max_weight == (1.0 if uniform else 512.0)
+        assert [secaggplus.error_line(e) for e in grid.errors.values()] == [f"FedltError: node {k} fails" for k in failing]
 
 
 def test_the_privacy_study_expands_to_every_method_at_every_epsilon(tmp_path):
     """benchmarks/studies/privacy_longtail_mnist.yaml: FedAvg, LA, FedVLS, FedETF, CCVR × ε ∈ {∞, 8, 2}
-    × 3 seeds, each a valid run on longtail_mnist.yaml's protocol (∞: no privacy at all)."""
+    × 3 seeds, each a valid run on longtail_mnist.yaml's MNIST-LT split across 500 clients (∞: no
+    privacy at all); each σ is dp-accounting's calibration for its ε on that protocol (its ε after
+    the 20 rounds at δ = 500^−1.1 at most the target and within 0.2 % of it)."""
     from pathlib import Path
 
     from fedlt.sweep.study import expand, load_study
@@ -146,13 +236,21 @@ def test_the_privacy_study_expands_to_every_method_at_every_epsilon(tmp_path):
     root = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
     study, _ = load_study(root / "privacy_longtail_mnist.yaml")
     configs = [RunConfig.model_validate(e.config) for e in expand(study, tmp_path / "study")]
-    cells = {(c.algorithm, c.target_epsilon if c.privacy else math.inf, c.seeds.model) for c in configs}
+    sigmas = {c.privacy["noise_multiplier"] for c in configs if c.privacy}
+    target = {1.446: 8.0, 3.397: 2.0}
+    assert sigmas == set(target)
+    for sigma in sigmas:
+        eps = P.epsilon(sigma, 20, 500, 50, 500 ** -1.1)
+        assert 0.998 * target[sigma] < eps <= target[sigma]
+    cells = {(c.algorithm, target[c.privacy["noise_multiplier"]] if c.privacy else math.inf, c.seeds.model)
+             for c in configs}
     assert cells == {(a, e, s) for a in ("fedavg", "fedlogit", "fedvls", "fedetf", "ccvr")
                      for e in (math.inf, 8.0, 2.0) for s in (0, 1, 2)} and len(configs) == 45
     lt, _ = load_study(root / "longtail_mnist.yaml")
-    assert all({k: c.model_dump()[k] for k in lt.base if k in c.model_dump()} ==
-               {k: RunConfig.model_validate(lt.base | {"out": tmp_path}).model_dump()[k] for k in lt.base}
-               for c in configs)
+    kept = ("dataset", "model", "split", "optimiser", "groups")  # the protocol's; the federation's size is not
+    assert all(c.model_dump()[k] == RunConfig.model_validate(lt.base | {"out": tmp_path}).model_dump()[k]
+               for c in configs for k in kept)
+    assert all(c.clients == 500 and c.participation == 0.1 and c.partition["then"]["min_size"] == 5 for c in configs)
 
 
 def test_local_dp_noises_each_upload_and_accounts_a_gaussian_per_round(tmp_path):
@@ -176,3 +274,17 @@ def prepare_weights(cfg):
     from fedlt.engine import prepare
 
     return {k: v.clone() for k, v in prepare(cfg).algorithm.global_model().state_dict().items()}
+
+
+# Secure aggregation and central DP give the server the participants' mean update alone: an
+# algorithm or aggregator that reads each client's own update would run as something else
+@pytest.mark.parametrize("algorithm,params", [("fedic", {}), ("fednova", {}), ("fedexp", {}),
+                                              ("fedavg", {"aggregator": "fedexp"})])
+@pytest.mark.parametrize("hiding", [{"secure_aggregation": True},
+                                    {"privacy": "client_level(clip=1.0, noise_multiplier=1.0)"}])
+def test_an_algorithm_reading_each_update_is_refused_where_the_server_sees_only_the_mean(algorithm, params, hiding):
+    with pytest.raises(ValueError, match="sees only the participants' mean update, but algorithm .* needs each one"):
+        RunConfig.model_validate({"algorithm": algorithm, "algorithm_params": params, **hiding})
+    RunConfig.model_validate({"algorithm": algorithm, "algorithm_params": params,  # each update seen: allowed
+                              "privacy": "local(clip=1.0, noise_multiplier=1.0)"})
+    RunConfig.model_validate({"algorithm": "fedavg", **hiding})  # the mean is all FedAvg reads

@@ -51,11 +51,12 @@ def worst_difference(harness, method, rec, recorded) -> float:
     return worst
 
 
-# Fed-GraB (the seed method), FedProto, FedLoGe, FedETF, FedNH (its uploaded prototypes too), CCVR (FL-bench's
-# implementation, its calibrated classifier in the global weights); PFLlib's Ditto (a whole personal model), FedRoD
-# (two heads, the balanced softmax, its personal prediction) and FedBABU (fine-tuned at evaluation)
-@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedetf", "fednh",
-                                    "ccvr"])
+# Fed-GraB (the seed method), FedProto, FedLoGe, FedReLa (its relabelled labels from round 2), FedETF, FedNH (its
+# uploaded prototypes too), CCVR (FL-bench's implementation, its calibrated classifier in the global weights);
+# PFLlib's Ditto (a whole personal model), FedRoD (two heads, the balanced softmax, its personal prediction) and
+# FedBABU (fine-tuned at evaluation)
+@pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedrela",
+                                    "fedetf", "fednh", "ccvr"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw
@@ -98,6 +99,17 @@ def test_the_fedproto_replay_tells_another_prototype_weight_apart(harness, tmp_p
     assert worst_difference(harness, "fedproto", rounds[1], fixture["record"][1]) > 1e-6
 
 
+def test_the_fedrela_replay_tells_another_relabelling_apart(harness, tmp_path):
+    """thre 25 instead of their 5: round 1 (before relabel_start) agrees; round 2's labels, and the
+    weights trained on them, do not."""
+    fixture = json.loads((GOLDEN / "replay_fedrela.json").read_text())
+    fixture["settings"]["rounds"] = 2
+    params = fixture["settings"].pop("algorithm_params") | {"thre": 25.0}
+    rounds = list(fedlt_rounds(harness, fixture, tmp_path, algorithm_params=params))
+    assert worst_difference(harness, "fedrela", rounds[0], fixture["record"][0]) <= fixture["tolerance"]
+    assert worst_difference(harness, "fedrela", rounds[1], fixture["record"][1]) > 1e-3
+
+
 def test_fedlt_replays_fedics_authors_rounds(harness, tmp_path):
     """FEDIC's two rounds (the second after their optimisers' and calibration's first): each
     participant's weights, then the server's FedAvg, fine-tune, calibration and distillation."""
@@ -121,23 +133,26 @@ def test_fedlt_replays_creffs_authors_rounds(harness, tmp_path):
         assert worst_difference(harness, "creff", rec, recorded) <= fixture["tolerance"], f"round {rec.round + 1}"
 
 
-def test_fedetf_preset_authors_reproduces_the_authors_side(harness, tmp_path):
-    """Issue 41's Done-when: ``fedlt run --algo fedetf --preset authors`` on the replay's data (the
-    CLI, the engine, float32) ends at the global weights the authors' code reached in the replay
-    (``run.py fedetf``, matched mode: their optimiser built each round as fedlt's), within the
-    float32 tolerance. The fixture is recorded in float32: a float64 replay starts from other initial
-    weights (nn.Linear's initialisation draws differently in float64)."""
+# FedETF's fixture serves the rounds test too; Ditto's float32 one only this (its float64 one the rounds)
+@pytest.mark.parametrize("method,fixture_name", [("fedetf", "replay_fedetf"), ("ditto", "replay_ditto_float32")])
+def test_preset_authors_reproduces_the_authors_side(method, fixture_name, harness, tmp_path):
+    """Issue 41's Done-when: ``fedlt run --algo X --preset authors`` on the replay's data (the CLI,
+    the engine, float32) ends at the global weights the authors' code reached in the replay
+    (``run.py X --dtype float32``; FedETF in matched mode: their optimiser built each round as
+    fedlt's), and for Ditto at each last-round participant's personal model, within the float32
+    tolerance. The fixtures are float32: a float64 replay starts from other initial weights
+    (nn.Linear's initialisation draws differently in float64)."""
     from typer.testing import CliRunner
 
     import fedlt.cli.commands  # noqa: F401  (registers the commands on the app)
     from fedlt.cli import app
 
-    fixture = json.loads((GOLDEN / "replay_fedetf.json").read_text())
-    assert fixture["dtype"] == "float32" and fixture["first_difference"] is None
+    fixture = json.loads((GOLDEN / f"{fixture_name}.json").read_text())
+    assert fixture["dtype"] == "float32" and fixture["first_difference"] is None and fixture["method"] == method
     s = fixture["settings"]
     data = harness.write_data(tmp_path / "data.npz", **fixture["data"])
     result = CliRunner().invoke(app, [
-        "run", "--algo", "fedetf", "--preset", "authors", "--dataset", "arrays", "--data-root", str(data),
+        "run", "--algo", method, "--preset", "authors", "--dataset", "arrays", "--data-root", str(data),
         "--partition", "dirichlet(beta=0.5, min_size=2)", "--clients", str(s["clients"]),
         "--participation", str(s["participation"]), "--model", s["model"], "--rounds", str(s["rounds"]),
         "--seed", "0", "--out", str(tmp_path / "run")])
@@ -145,8 +160,15 @@ def test_fedetf_preset_authors_reproduces_the_authors_side(harness, tmp_path):
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: config[k] for k in ("optimiser", "local_epochs", "batch_size", "drop_last")} == \
         {k: s[k] for k in ("optimiser", "local_epochs", "batch_size", "drop_last")}  # the preset chose theirs
-    weights = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["algorithm"]["model"]
-    last = fixture["record"][-1]["global"]
-    assert set(weights) == set(last)
-    worst = max(harness.fingerprint_difference(weights[k], fp) for k, fp in last.items())
-    assert worst <= fixture["tolerance"], worst
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    last = fixture["record"][-1]
+    pairs = [(checkpoint["algorithm"]["model"], last["global"])]
+    pairs += [(checkpoint["client_states"][int(cid)]["personal"], theirs["personal"])  # Ditto's v
+              for cid, theirs in last["clients"].items() if "personal" in theirs]
+    assert len(pairs) == (1 if method == "fedetf" else 1 + len(last["participants"]))
+    for weights, prints in pairs:
+        assert set(weights) == set(prints)
+        worst = max(harness.fingerprint_difference(weights[k], fp) if isinstance(fp, dict)  # short ones whole
+                    else harness.relative_difference(weights[k].double(), torch.tensor(fp, dtype=torch.float64))
+                    for k, fp in prints.items())
+        assert worst <= fixture["tolerance"], worst

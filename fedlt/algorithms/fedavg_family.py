@@ -10,7 +10,7 @@ is ``Federated.train_round``, shared by every one-call-per-round algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import is_dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +28,7 @@ from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, 
 from fedlt.context import RoundContext
 from fedlt.models import classifier, eval_mode
 from fedlt.errors import FedltError
+from fedlt.server_steps import classifier_inputs
 from fedlt.privacy.dpsgd import PrivateStep, noise_generator, poisson_batches, stateful_terms, steps_per_round
 from fedlt.spec import Params
 
@@ -40,17 +41,11 @@ def trainable_names(model: nn.Module) -> list[str]:
 OBJECTIVE = "objective"  # the part of a step's loss that is the task's loss expression
 
 
-@contextmanager
-def features_of(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+def features_of(model: nn.Module) -> AbstractContextManager[list[torch.Tensor]]:
     """Collects, flattened to B×d, the input of the model's classifier on every forward inside
     the block (also through ``functional_call`` with other weights): the representation h of the
     papers, with no change to the model or to what it computes."""
-    seen: list[torch.Tensor] = []
-    handle = classifier(model).register_forward_pre_hook(lambda module, args: seen.append(args[0].flatten(1)))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    return classifier_inputs(classifier(model))
 
 
 class StepForward:
@@ -305,8 +300,9 @@ def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:
                          f"{', '.join(stateful)} keep state across steps, which per-sample gradients would move once "
                          "per sample")
     objective.fused = "off"
-    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device
-                                if isinstance(task.data.x, torch.Tensor) else torch.device("cpu"))
+    # on the model's device (``build``'s, also for images decoded from files): a host generator
+    # cannot draw the noise of a CUDA parameter
+    generator = noise_generator(task.context.sampling_seed, task.round_index, task.cid, task.data.x.device)
     return PrivateStep(float(dp[0]), float(dp[1]), min(task.schedule.batch, len(task.data)), generator)
 
 
@@ -501,6 +497,11 @@ class FedAvgFamily(Federated):
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         return Strategy(model, build_aggregator(self.aggregator), ctx, self.loss)
+
+    def reads_each_update(self) -> str | None:
+        """Why the server needs each participant's own weights, not only their weighted mean (None:
+        the mean is enough) — under secure aggregation or central DP it gets the mean alone."""
+        return getattr(build_aggregator(self.aggregator), "reads_each_update", None)
 
 
 preset("fedavg", FedAvgFamily, "FedAvg: cross-entropy locally, |D_k|-weighted averaging.", loss="ce")

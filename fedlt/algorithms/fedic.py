@@ -46,6 +46,7 @@ from fedlt.algorithms.base import ClientData, RunContext, build_aggregator, plac
 from fedlt.algorithms.fedavg_family import FedAvgFamily, Strategy
 from fedlt.algorithms.protocol import ClientResult, State
 from fedlt.context import RoundContext
+from fedlt.datasets.source import to_device  # pinned, non-blocking: a step's host-drawn rows wait for no kernel
 from fedlt.errors import FedltError
 from fedlt.models import classifier, eval_mode
 from fedlt.server_steps import classifier_inputs
@@ -140,7 +141,7 @@ def finetune(model: nn.Module, optimiser: torch.optim.Optimizer, proxy: ClientDa
     model.train()
     losses = []
     for idx in batches:
-        x, y = proxy.take(idx.to(proxy.index_device))
+        x, y = proxy.take(to_device(idx, proxy.index_device))
         loss = F.cross_entropy(model(augment(x) if augment else x), y)
         optimiser.zero_grad()
         loss.backward()
@@ -157,7 +158,7 @@ def train_calibration(calibration: CalibratedEnsemble, optimiser: torch.optim.Op
     the client models and the fallback (the fine-tuned model) fixed, in eval mode."""
     losses = []
     for idx in batches:
-        x, y = proxy.take(idx.to(proxy.index_device))
+        x, y = proxy.take(to_device(idx, proxy.index_device))
         x = augment(x) if augment else x
         feats, logits = client_views(clients, x)
         with torch.no_grad(), eval_mode(fallback):
@@ -180,9 +181,9 @@ def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: C
     student.train()
     losses = []
     for u_idx, l_idx in batches:
-        u = unlabeled.take(u_idx.to(unlabeled.index_device))[0]
+        u = unlabeled.take(to_device(u_idx, unlabeled.index_device))[0]
         u = augment(u) if augment else u
-        x, y = proxy.take(l_idx.to(proxy.index_device))
+        x, y = proxy.take(to_device(l_idx, proxy.index_device))
         x = augment(x) if augment else x
         feats, logits = client_views(clients, u)
         with torch.no_grad(), eval_mode(fallback):
@@ -326,6 +327,9 @@ class FEDIC(FedAvgFamily):
 
     def server_data_per_class(self) -> tuple[int, str]:
         return self.proxy_per_class + self.unlabeled_per_class, "proxy_per_class + unlabeled_per_class"
+
+    def reads_each_update(self) -> str | None:
+        return "its calibrated ensemble weighs and distils each client's own model"
 
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         settings = ServerSettings(self.finetune_steps, self.calibration_steps, self.distill_steps, self.batch_labeled,

@@ -67,10 +67,12 @@ def relabel(predictions: torch.Tensor, targets: torch.Tensor, uniform: torch.Ten
 
 @torch.no_grad()
 def predictions_of(model: nn.Module, data: ClientData, batch: int = 2048) -> torch.Tensor:
-    """The softmax outputs of ``model`` (in eval mode) on every sample of ``data``, in order."""
+    """The softmax outputs of ``model`` (in eval mode) on every sample of ``data``, in order, in the
+    model's dtype (at least float32: a float64 run's z-scores are not rounded to float32's)."""
     index = torch.arange(len(data), device=data.index_device).split(batch)
     with eval_mode(model):
-        return torch.cat([torch.softmax(model(x).float(), 1) for x, _ in data.batches(index)])
+        logits = [model(x) for x, _ in data.batches(index)]
+        return torch.cat([torch.softmax(z.to(torch.promote_types(z.dtype, torch.float32)), 1) for z in logits])
 
 
 @dataclass(frozen=True)

@@ -367,6 +367,9 @@ class FedNova(FedAvgFamily):
     def make_strategy(self, model: nn.Module, ctx: RunContext) -> Strategy:
         return NovaStrategy(model, build_aggregator(self.aggregator), ctx, self.loss)
 
+    def reads_each_update(self) -> str | None:
+        return "it normalises each client's update by that client's own effective step count"
+
 
 register("scaffold")(Scaffold)
 register("feddyn")(FedDyn)

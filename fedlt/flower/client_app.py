@@ -4,7 +4,11 @@ A node serves the partition ``partition-id`` of its node config (Flower's simula
 0..N-1; a real SuperNode is started with ``--node-config "partition-id=3"``). Message types (the
 server side chose one by what the algorithm asked its runner for, never by the algorithm's class):
 - ``query.partition``: which partition this node holds.
-- ``train``: one-call client work (the algorithm's ``client_work`` on the received task).
+- ``train``: one-call client work (the algorithm's ``client_work`` on the received task). Under
+  secure aggregation the round's training is Flower's SecAgg+ workflow instead: ``train``
+  messages carrying its record go through Flower's ``secaggplus_mod``, which answers three of its
+  four stages itself and, in the fourth, masks what ``client_work.secaggplus_work`` returns
+  (fedlt.flower.secaggplus).
 - ``train.step``: one exchange of a split-learning session (the algorithm's ``open_session``).
   The first carries the task and returns the first upload; each next one carries the activation
   gradient of the previous upload (the session's ``backward``) and returns the next upload
@@ -25,9 +29,11 @@ the query is answered in about a second instead of after a torch and fedlt start
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGGPLUS_RECORD
 
 app = ClientApp()
 
@@ -45,8 +51,20 @@ def partition(message: Message, context: Context) -> Message:
                    reply_to=message)
 
 
-@app.train()
+def secure_aggregation(message: Message, context: Context, call_next: Any) -> Message:
+    """Flower's SecAgg+ mod (``flwr.client.mod.secaggplus_mod``) around the train messages of its
+    workflow (those carrying its record: fedlt.flower.secaggplus); fedlt's own pass by."""
+    if SECAGGPLUS_RECORD not in message.content.config_records:
+        return call_next(message, context)
+    from flwr.client.mod import secaggplus_mod
+
+    return secaggplus_mod(message, context, call_next)
+
+
+@app.train(mods=[secure_aggregation])
 def train(message: Message, context: Context) -> Message:
+    if "fitins.config" in message.content.config_records:  # SecAgg+'s collect stage: a legacy FitIns
+        return work().secaggplus_work(message, context)
     return work().one_call("work", message, context)
 
 

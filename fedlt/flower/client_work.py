@@ -11,16 +11,20 @@ the same file when server and nodes share a disk). Every client runs in its own 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.compat.common import recorddict_compat as compat
 
 from fedlt.algorithms.base import ClientData
 from fedlt.algorithms.protocol import CLIENT_CALLS, SeededSession
 from fedlt.errors import FedltError
-from fedlt.flower import codec
+from fedlt.flower import codec, secaggplus
 from fedlt.run import parts
 
 _PREPARED: dict[tuple[str, str], Any] = {}  # (config, partition file) -> the run's parts; a cache, no state
@@ -52,6 +56,29 @@ def one_call(job: str, message: Message, context: Context) -> Message:
     task = parts.with_held(prep, codec.value(content, prep.config.device), client_data(prep, _cid(content), context))
     result = CLIENT_CALLS[job](prep.algorithm, task)
     return Message(codec.content(result, f"result of client {task.cid}"), reply_to=message)
+
+
+def secaggplus_work(message: Message, context: Context) -> Message:
+    """SecAgg+'s collect stage (fedlt.flower.secaggplus): the task in the FitIns trained, and a
+    FitRes whose parameters are the client's dense update [Δ, b] and num_examples its weight —
+    what Flower's ``secaggplus_mod`` quantises and masks on its way out — and whose metrics hold
+    the rest of the result. The update must lie within the round's clipping range once weighted."""
+    config = compat.recorddict_to_fitins(message.content, keep_input=True).config
+    prep = prepared(ConfigRecord({"config": config["fedlt.config"], "partition": config["fedlt.partition"]}), context)
+    cid = int(config["fedlt.cid"])
+    task = parts.with_held(prep, codec.from_scalars(config, prep.config.device), client_data(prep, cid, context))
+    result = CLIENT_CALLS["work"](prep.algorithm, task)
+    update, weight = result.packed["dense"].numpy(), float(result.packed["weight"])
+    ratio, reach = weight / float(config["fedlt.max_weight"]), float(config["fedlt.clipping_range"])
+    biggest = float(np.abs(update).max()) * ratio if update.size else 0.0
+    if ratio > 1.0 or biggest > reach:
+        raise FedltError(f"secure aggregation: client {cid}'s weighted update reaches {biggest:.3g}, outside Flower's "
+                         f"SecAgg+ clipping range ±{reach:g} (clip the update: --privacy 'client_level(clip=...)')")
+    rest = dataclasses.replace(result, packed={"keys": result.packed["keys"]})
+    np.random.seed(secaggplus.rounding_seed(task.context.sampling_seed, task.round_index, cid))  # the mod's rounding
+    fit_res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update]), int(weight),
+                     codec.scalars(rest, f"result of client {cid}"))
+    return Message(compat.fitres_to_recorddict(fit_res, keep_input=True), reply_to=message)
 
 
 def _cid(content: RecordDict) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.common import bytes_to_ndarray, ndarray_to_bytes
 
 from fedlt import wire
 from fedlt.algorithms.base import ClientData
@@ -41,3 +42,17 @@ def task_content(task: ClientTask) -> RecordDict:
 
 def task_from(content: RecordDict, data: ClientData, device: torch.device | str = "cpu") -> ClientTask:
     return dataclasses.replace(value(content, device), data=data)
+
+
+def scalars(value: Any, name: str = "value", prefix: str = "fedlt") -> dict[str, str | bytes]:
+    """``value`` as flat scalars (a legacy FitIns config or FitRes metrics holds no lists): its
+    structure as JSON under ``prefix.tree``, each tensor's ``.npy`` bytes under ``prefix.array.i``."""
+    text, arrays = wire.encode(value, name)
+    return {f"{prefix}.tree": text} | {f"{prefix}.array.{i}": ndarray_to_bytes(a.numpy()) for i, a in enumerate(arrays)}
+
+
+def from_scalars(record: Any, device: torch.device | str = "cpu", prefix: str = "fedlt") -> Any:
+    """The value ``scalars`` carried in ``record`` (a mapping holding its keys, and maybe others)."""
+    count = sum(1 for key in record if str(key).startswith(f"{prefix}.array."))
+    flat = [torch.from_numpy(np.array(bytes_to_ndarray(record[f"{prefix}.array.{i}"]), copy=True)) for i in range(count)]
+    return wire.decode(str(record[f"{prefix}.tree"]), flat, device)

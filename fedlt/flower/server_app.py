@@ -13,7 +13,6 @@ SuperNodes to connect, default 120).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,8 +24,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedlt.algorithms.protocol import ClientFailure, ClientResult, ClientTask, RoundSessions, Runner, Upload
 from fedlt.config import RunConfig, read_config_file
-from fedlt.errors import FedltError, first_line
-from fedlt.flower import codec
+from fedlt.errors import FedltError
+from fedlt.flower import codec, error_line, secaggplus
 from fedlt.run import loop
 
 NODE_WAIT_S = 120.0  # how long to wait for the SuperNodes to connect
@@ -65,6 +64,14 @@ class FlowerRunner(Runner):
         self.exchange_s: list[float] = []  # wall time of each, send to last reply (benchmarks read it)
 
     # -- the runner ------------------------------------------------------------------------------
+    def call(self, algorithm: Any, tasks: Sequence[ClientTask]) -> list[ClientResult | ClientFailure]:
+        """The round's one-call training: under secure aggregation (the tasks' upload plan) through
+        Flower's SecAgg+ (fedlt.flower.secaggplus), else one ``train`` message per participant."""
+        if tasks and tasks[0].upload is not None and tasks[0].upload.secure:
+            self.round_index = tasks[0].round_index
+            return secaggplus.secure_round(self, tasks)
+        return self.each("work", algorithm, tasks)
+
     def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
         self.round_index = tasks[0].round_index if tasks else self.round_index
         self.nodes()
@@ -77,6 +84,8 @@ class FlowerRunner(Runner):
         return [r if isinstance(r, ClientFailure) else codec.value(r, self.device) for r in replies]
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> "FlowerSessions":
+        if tasks and tasks[0].upload is not None and tasks[0].upload.secure:  # RunConfig refuses it first
+            raise FedltError("secure aggregation: split-learning sessions cannot go through Flower's SecAgg+")
         self.round_index = tasks[0].round_index if tasks else self.round_index
         self.nodes()
         return FlowerSessions(self, list(tasks))
@@ -184,14 +193,6 @@ class FlowerRunner(Runner):
         while True:
             yield pause
             pause = min(2 * pause, self.poll_cap)
-
-
-def error_line(reason: str) -> str:
-    """The client's own error out of a node's error report (Ray wraps it in its traceback, with
-    terminal colours): the last ``SomeError: message`` line, else the report's first line."""
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", reason)
-    found = re.findall(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Fault|Loss)): (.+)$", plain, re.M)
-    return f"{found[-1][0]}: {found[-1][1].strip()}" if found else first_line(plain)
 
 
 class FlowerSessions(RoundSessions):

@@ -234,10 +234,15 @@ class SampleAccountant:
         self.mech, self.delta, self.multiplier = mech, delta, mech.noise_multiplier
         self.curves: dict[int, np.ndarray] = {}
         self.epsilons: dict[int, float] = {}
+        # one step's curve per (n_k, b_k), kept for the run: round_rdp's 64-entry cache would
+        # recompute it (0.2–4 s each) every round once more than 64 client sizes take part
+        self._step_curves: dict[tuple[int, int], np.ndarray] = {}
 
     def _added(self, cid: int, n: int, batch: int, steps: int) -> np.ndarray:
-        _, curve = round_rdp(self.multiplier, int(n), int(min(batch, n)), "poisson")
-        return self.curves.get(cid, 0.0) + steps * np.asarray(curve)
+        key = (int(n), int(min(batch, n)))
+        if key not in self._step_curves:
+            self._step_curves[key] = np.asarray(round_rdp(self.multiplier, *key, "poisson")[1])
+        return self.curves.get(cid, 0.0) + steps * self._step_curves[key]
 
     def _epsilon_of(self, curve: np.ndarray) -> float:
         _, rdp = _accountant_library()

@@ -34,7 +34,9 @@ class UploadPlan:
     ``transforms``: the ``--upload`` chain's specs; ``clip``: DP's clip norm C of this round
     (applied first; the client reports whether it was under it); ``noise_std``: local DP's σC
     (applied last); ``secure``: mask the upload (weighted by ``|D_k|``, or 1 when ``uniform``);
-    ``sample_level``: (C, σ) of DP-SGD in the client's local training (fedlt.privacy.dpsgd)."""
+    ``sample_level``: (C, σ) of DP-SGD in the client's local training (fedlt.privacy.dpsgd);
+    ``secaggplus``: the transport masks it — Flower's SecAgg+ mod (fedlt.flower.secaggplus) — so
+    the client hands over its dense update unweighted and unmasked, its weight beside it."""
 
     transforms: tuple = ()
     clip: float | None = None
@@ -42,6 +44,7 @@ class UploadPlan:
     secure: bool = False
     uniform: bool = False
     sample_level: tuple | None = None
+    secaggplus: bool = False
 
     @property
     def changes_upload(self) -> bool:
@@ -83,10 +86,24 @@ def client_upload(plan: UploadPlan, global_weights: State, weights: State, state
             return kept, {"forms": forms} | ({"unclipped": unclipped} if unclipped is not None else {}), new_state
         dense, new_state = plan.chain().apply(delta, state)
     weight = 1.0 if plan.uniform else float(num_samples)
+    if plan.secaggplus:  # [Δ_k..., b_k]: SecAgg+ weights it by its num_examples (fedlt.flower.secaggplus)
+        dense_flat = torch.cat([*(dense[k].double().reshape(-1).cpu() for k in keys),
+                                torch.tensor([float(bool(unclipped))], dtype=torch.float64)])
+        return kept, {"dense": dense_flat, "keys": keys, "weight": weight}, new_state
     flat = torch.cat([*(dense[k].double().reshape(-1).cpu() * weight for k in keys),
                       torch.tensor([weight, float(bool(unclipped))], dtype=torch.float64)])
     masked = secagg.mask(secagg.encode(flat, len(participants)), cid, participants, seed, round_index)
     return kept, {"masked": masked, "keys": keys}, new_state
+
+
+def unflatten(global_weights: State, keys: Sequence[str], flat: torch.Tensor) -> tuple[State, torch.Tensor]:
+    """The entries ``keys`` (shaped as the global model's) laid end to end at the start of ``flat``; what follows."""
+    out, at = {}, 0
+    for k in keys:
+        like = global_weights[k]
+        out[k] = flat[at:at + like.numel()].view(like.shape).to(like.device)
+        at += like.numel()
+    return out, flat[at:]
 
 
 def open_upload(global_weights: State, kept: State, packed: dict[str, Any]) -> State:
@@ -100,9 +117,14 @@ def masked_sum(global_weights: State, keys: Sequence[str], masked: dict[int, tor
     """(Σ w_k·Δ_k by entry, Σ w_k, Σ b_k) over the uploads that arrived, unmasked (mask recovery
     for the participants that did not)."""
     total = secagg.decode(secagg.unmask_sum(masked, participants, seed, round_index))
-    out, at = {}, 0
-    for k in keys:
-        like = global_weights[k]
-        out[k] = total[at:at + like.numel()].view(like.shape).to(like.device)
-        at += like.numel()
-    return out, float(total[at]), float(total[at + 1])
+    out, rest = unflatten(global_weights, keys, total)
+    return out, float(rest[0]), float(rest[1])
+
+
+def secaggplus_sum(global_weights: State, keys: Sequence[str], mean: torch.Tensor,
+                   count: int) -> tuple[State, float, float]:
+    """``masked_sum``'s answer from what Flower's SecAgg+ gives the server: the weighted mean
+    Σ w_k·[Δ_k, b_k] / Σ w_k over the ``count`` uploads that arrived, read as that mean times
+    ``count`` over a weight of ``count`` (under uniform weights, w_k = 1, exactly the sums)."""
+    out, rest = unflatten(global_weights, keys, mean.double() * count)
+    return out, float(count), float(rest[0])

@@ -110,16 +110,21 @@ class RoundLoop:
 
     # -- phases -----------------------------------------------------------------------------------
     def sample(self, r: int) -> list[int]:
-        """Round ``r``'s participants (among the reachable clients when availability acts before
-        sampling), announced to the round policy."""
+        """Round ``r``'s participants (:meth:`participants`), announced to the round policy."""
+        chosen, reachable = self.participants(r)
+        self.policy.begin(r, chosen, reachable)
+        return chosen
+
+    def participants(self, r: int) -> tuple[list[int], list[int] | None]:
+        """(round ``r``'s participants, the reachable clients they are drawn from when availability
+        acts before sampling, else None)."""
         c = self.config
         reachable = None
         if self.availability.acts and self.availability.when == "before":
             reachable = [cid for cid in range(c.clients) if self.availability.available(c.seeds.sampling, r, cid)]
         chosen = (parts.sample_clients(c.clients, c.participation, c.seeds.sampling, r) if reachable is None
                   else parts.sample_clients(c.clients, c.participation, c.seeds.sampling, r, available=reachable))
-        self.policy.begin(r, chosen, reachable)
-        return chosen
+        return chosen, reachable
 
     def train(self, r: int, chosen: list[int]) -> dict[str, Any]:
         """The round's client work and aggregation; its row. A failure finishes the round being
@@ -231,9 +236,7 @@ class RoundLoop:
             return False
         if self._budget_checked is not None and self._budget_checked[0] == r:
             return self._budget_checked[1]
-        c = self.config
-        chosen = parts.sample_clients(c.clients, c.participation, c.seeds.sampling, r)
-        after = self.uploads.prospective_epsilon(chosen)
+        after = self.uploads.prospective_epsilon(self.participants(r)[0])  # the clients sample() will draw
         spent = after > budget
         if spent and r == 0:
             raise FedltError(f"stop_at_epsilon: the first round alone would spend ε = {after:.4g} > {budget:g} "

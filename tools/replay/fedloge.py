@@ -91,12 +91,14 @@ def linear(weights: dict[str, torch.Tensor]) -> nn.Linear:
 class Authors:
     """Their side of the run: the global backbone, g_head and g_aux; an l_head per client."""
 
+    CODE = staticmethod(load)  # their definitions (FedReLa's adapter: its repository's)
+
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  first_l_heads: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         """``first_l_heads``: each client's l_head before its first round (default: fedlt's draw)."""
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.ns = load(git_dir)
+        self.ns = self.CODE(git_dir)
         self.net, self.g_head, self.g_aux = their_heads(initial)
         self.classifier_key = f"{len(initial) - 1}.g_aux"
         aux, sampling = initial[-1].g_aux, config.seeds.sampling

@@ -225,14 +225,16 @@ def quantities(method: str, result: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What a participant's round produced on fedlt's side, in groups the adapters name alike: its
     uploaded weights, Fed-GraB's SGB state, a personalised method's own part (``personal``: PFLlib's
     methods, FedProto's), APFL's mixing weight, FedProto's prototypes,
-    FedLoGe's local head and FedLF's class centres."""
+    FedLoGe's local head, FedReLa's labels and FedLF's class centres."""
     out = {"weights": result.weights} if result.weights else {}  # FedProto uploads no weights
     if method == "fedgrab":
         out["sgb"] = {k: result.state["loss"][f"fedgrab.{k}"] for k in SGB_KEYS}
     if "personal" in result.state:
         out["personal"] = result.state["personal"]
-    if method == "fedloge":
+    if method in ("fedloge", "fedrela"):
         out["l_head"] = result.state["fedloge"]["l_head"]
+    if "fedrela" in result.state:  # the labels a FedReLa client trained on: first, what its weights follow from
+        out = {"labels": {"labels": result.state["fedrela"]}, **out}
     if method == "fedlf":
         out["centres"] = {"centres": result.extras["centres"]}
     if method == "creff":  # the per-class classifier gradients it uploads

@@ -44,6 +44,7 @@ import fedlf  # noqa: E402
 import fedloge  # noqa: E402
 import fednh  # noqa: E402
 import fedproto  # noqa: E402
+import fedrela  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
 import personalised  # noqa: E402
@@ -52,7 +53,7 @@ from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quant
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
             "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh, "ccvr": ccvr,
-            "fedloge": fedloge, "fedetf": fedetf, "fedlf": fedlf}
+            "fedloge": fedloge, "fedrela": fedrela, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 # BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
 # with BatchNorm's momentum set they do not enter any computation (fedlt_side.COUNTER)
@@ -190,10 +191,11 @@ def main() -> None:
     out = replay(args)
     print(f"{args.method} ({out['source']['repo']}@{out['source']['commit'][:7]}), mode {args.mode}, {args.dtype}: "
           f"max relative difference per round (gates: mismatched draws)")
-    names = [k for k in out["rounds"][0] if k not in ("round", "participants")]
+    names = list(dict.fromkeys(k for row in out["rounds"] for k in row if k not in ("round", "participants")))
     print("round  participants  " + "  ".join(f"{n:>9}" for n in names))
-    for row in out["rounds"]:
-        print(f"{row['round']:>5}  {str(row['participants']):>12}  " + "  ".join(f"{row[n]:9.2e}" for n in names))
+    for row in out["rounds"]:  # a quantity of some rounds only (FedReLa's labels from relabel_start): "-"
+        print(f"{row['round']:>5}  {str(row['participants']):>12}  "
+              + "  ".join(f"{row[n]:9.2e}" if n in row else f"{'-':>9}" for n in names))
     first = out["first_difference"]
     if "counters" in out["rounds"][-1]:
         print(f"counters (not judged): {getattr(ADAPTERS[args.method], 'COUNTERS', '')}")
