@@ -121,8 +121,9 @@ class CReFFStep:
         classes, d = head.weight.shape
         bounds.tensor_bytes("creff", (classes * self.per_class, d), 8,
                             f"features_per_class={self.per_class} × {classes} classes on {d} features (float64)")
-        self.features = torch.randn(classes * self.per_class, d, generator=generator)
-        self.head = linear_init(classes, d, generator)
+        # in the classifier's dtype: a float64 run's first gradients are not taken under a float32 head
+        self.features = torch.randn(classes * self.per_class, d, generator=generator, dtype=head.weight.dtype)
+        self.head = linear_init(classes, d, generator, head.weight.dtype)
 
     def due(self, round_index: int, rounds: int) -> bool:
         return True

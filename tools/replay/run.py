@@ -34,27 +34,29 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the adapters; tools/ (golden_source, authors_code)
 
+import ccvr  # noqa: E402
+import creff  # noqa: E402
 import fedetf  # noqa: E402
 import fedgela  # noqa: E402
 import fedgrab  # noqa: E402
 import fedic  # noqa: E402
 import fedlf  # noqa: E402
 import fedloge  # noqa: E402
+import fednh  # noqa: E402
 import fedproto  # noqa: E402
 import fedrela  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
 import personalised  # noqa: E402
-from fedlt_side import (FedltSide, fingerprint, group_difference, quantities, relative_difference,  # noqa: E402
-                        replay_config, write_data)
+from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quantities,  # noqa: E402
+                        relative_difference, replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
-            "fedyoyo": fedyoyo, "fedic": fedic,
+            "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh, "ccvr": ccvr,
             "fedloge": fedloge, "fedrela": fedrela, "fedetf": fedetf, "fedlf": fedlf}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 # BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
-# with BatchNorm's momentum set they do not enter any computation
-COUNTER = "num_batches_tracked"
+# with BatchNorm's momentum set they do not enter any computation (fedlt_side.COUNTER)
 
 
 def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.Tensor]) -> dict[str, float]:
