@@ -52,11 +52,12 @@ def worst_difference(harness, method, rec, recorded) -> float:
 
 
 # Fed-GraB (the seed method), FedProto, FedLoGe, FedReLa (its relabelled labels from round 2), FedETF, FedNH (its
-# uploaded prototypes too), CCVR (FL-bench's implementation, its calibrated classifier in the global weights);
+# uploaded prototypes too), CCVR (FL-bench's implementation, its calibrated classifier in the global weights),
+# FedNPC (its classifier re-trained on noise after the last round, in the last round's global weights);
 # PFLlib's Ditto (a whole personal model), FedRoD (two heads, the balanced softmax, its personal prediction) and
 # FedBABU (fine-tuned at evaluation)
 @pytest.mark.parametrize("method", ["fedgrab", "fedproto", "ditto", "fedrod", "fedbabu", "fedloge", "fedrela",
-                                    "fedetf", "fednh", "ccvr"])
+                                    "fedetf", "fednh", "ccvr", "fednpc"])
 def test_fedlt_replays_the_authors_rounds(method, harness, tmp_path):
     fixture = json.loads((GOLDEN / f"replay_{method}.json").read_text())
     assert fixture["first_difference"] is None and len(fixture["record"]) >= 3  # what the harness saw

@@ -43,6 +43,7 @@ import fedic  # noqa: E402
 import fedlf  # noqa: E402
 import fedloge  # noqa: E402
 import fednh  # noqa: E402
+import fednpc_rounds  # noqa: E402
 import fedproto  # noqa: E402
 import fedrela  # noqa: E402
 import fedvls  # noqa: E402
@@ -53,7 +54,8 @@ from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quant
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
             "fedyoyo": fedyoyo, "fedic": fedic, "creff": creff, "fednh": fednh, "ccvr": ccvr,
-            "fedloge": fedloge, "fedrela": fedrela, "fedetf": fedetf, "fedlf": fedlf}
+            "fedloge": fedloge, "fedrela": fedrela, "fedetf": fedetf, "fedlf": fedlf,
+            "fednpc": fednpc_rounds}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 # BatchNorm's step counters: printed as "counters", not judged (an adapter's COUNTERS says why they differ);
 # with BatchNorm's momentum set they do not enter any computation (fedlt_side.COUNTER)
