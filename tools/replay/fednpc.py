@@ -4,7 +4,8 @@
 
 Stage 1 (FedAvg) is fedlt's run parts on the study's base settings (``longtail_mnist.yaml``; the
 authors' stage 1 is FedAvg's loop, plain SGD on cross-entropy in their ``Local``; it is not
-replayed here). Stage 2 is theirs, verbatim: ``re_train_classifier`` with its
+replayed here: ``run.py fednpc`` replays both stages step for step, ``fednpc_rounds.py``). Stage 2
+is theirs, verbatim: ``re_train_classifier`` with its
 ``generate_noisy_batch`` (FedAvg-FedNPC.py:143-189) and ``Global.global_eval`` (:78-91), read from
 a snapshot of github.com/JintongGao/FedNPC at COMMIT, on fedlt's stage-1 global model (its last
 layer as their ``classifier``), their defaults M = 10000, E = 28, lr 0.1 (FedAvg-FedNPC.py:40-42),
