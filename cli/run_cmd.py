@@ -351,10 +351,9 @@ def run(
     if resume is None:  # a new run: a scripted fault past its last round is a typo (issue 35)
         fedlt.availability.create(cfg.availability["name"], **{k: v for k, v in cfg.availability.items()
                                                               if k != "name"}).check_run(cfg.clients, cfg.rounds)
-    if resume is None:  # said once, at the start (STYLE.md); config.json records the settings themselves
-        note = differences_line(cfg.algorithm, cfg.model_dump(mode="json"))
-        if note:
-            typer.echo(note, err=True)
+    # said once, at the start (STYLE.md), when the run has passed its checks (on_start): a refused run's
+    # stderr stays its error's one line; config.json records the settings themselves
+    note = differences_line(cfg.algorithm, cfg.model_dump(mode="json")) if resume is None else None
     if cfg.engine == "flower":
         from fedlt.flower import require
 
@@ -372,6 +371,8 @@ def run(
     task = progress.add_task(f"{cfg.algorithm} on {cfg.dataset}", total=cfg.rounds, status="")
 
     def on_start(done: int) -> None:
+        if note:
+            typer.echo(note, err=True)
         progress.update(task, completed=done)
         progress.start()
 

@@ -89,17 +89,22 @@ def test_drop_last_reaches_the_schedule_of_a_run():
 
 
 class _Started(Exception):
-    """Raised where the run would draw its progress display: everything before it has run."""
+    """Raised once the run has passed its checks and started (on_start): nothing has trained."""
 
 
 @pytest.mark.parametrize("preset", [False, True])
 def test_a_run_says_once_at_its_start_when_its_settings_are_not_its_authors(preset, capsys, monkeypatch, tmp_path):
-    """The CLI's note (cli/run_cmd.py), stopped before anything trains: one stderr line naming the
-    differences and the way to the authors' settings; under ``--preset authors`` none — except
-    for a setting the user gave, named as such."""
-    import fedlt.cli.run_cmd as run_cmd
+    """The CLI's note (cli/run_cmd.py), said when the run starts and stopped before anything
+    trains: one stderr line naming the differences and the way to the authors' settings; under
+    ``--preset authors`` none — except for a setting the user gave, named as such. (A refused run
+    says only its error: tests/test_hostile_compose.py.)"""
+    import fedlt.engine
 
-    monkeypatch.setattr(run_cmd, "Console", lambda **kw: (_ for _ in ()).throw(_Started()))
+    def started(config, *, on_start, **kwargs):
+        on_start(0)
+        raise _Started()
+
+    monkeypatch.setattr(fedlt.engine, "run", started)  # run_cmd imports it when it runs
     args = ["run", "--algo", "fedrep", "--model", "mlp", "--out", str(tmp_path / "o"), "--quiet"]
     with pytest.raises(_Started):
         main(args + (["--preset", "authors"] if preset else []))
