@@ -22,8 +22,10 @@ vectors, the losses) that tests/test_replay.py replays fedlt against without the
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -115,6 +117,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     adapter = ADAPTERS[args.method]
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
+    atexit.register(shutil.rmtree, work, True)  # the replay's data and run folder: scratch, gone at exit
     data_size = {"n_train": 240, "n_test": 100, "size": 8, "seed": 0} | getattr(adapter, "DATA", {})
     data = write_data(work / "data.npz", **data_size)
     epochs = {} if args.epochs is None else {"local_epochs": args.epochs}
