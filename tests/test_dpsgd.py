@@ -95,7 +95,8 @@ def test_epsilon_is_dp_accountings_for_abadi_et_als_example():
     ledger = P.SampleAccountant(P.mechanism("sample_level(clip=1.0, noise_multiplier=4.0)"), 1e-5)
     assert ledger.prospective([(0, 60_000, 600, 10_000)]) == want and ledger.epsilon() == 0.0
     assert ledger.record([(0, 60_000, 600, 10_000)]) == want
-    assert 1.0 < want < 1.26
+    # the number docs/privacy.md quotes for this example (dp-accounting 0.6.0): pinned, so a changed accountant shows
+    assert want == pytest.approx(1.0355, abs=1e-4)
     halves = P.SampleAccountant(ledger.mech, 1e-5)
     halves.record([(0, 60_000, 600, 5_000), (1, 60_000, 600, 1)])
     assert halves.record([(0, 60_000, 600, 5_000)]) == pytest.approx(want, rel=1e-12)
