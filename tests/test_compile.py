@@ -96,3 +96,33 @@ def test_a_fallback_is_said_at_the_start_and_recorded(tmp_path, caplog):
     assert len(said) == 1 and said[0].startswith("fedlt: --compile leaves the local steps eager: ")
     assert "overrides ClientUpdate.terms" in summary["compile_fallback"] and summary["compile_fallback"] in said[0]
     assert '"compile": true' in (tmp_path / "run" / "config.json").read_text()
+
+
+def test_on_the_cpu_max_pooling_is_aten_s_kernel():
+    """The CPU backend's decompositions route max-pooling (forward and backward) to aten's kernels
+    (inductor's own CPU max-pool made --compile lose: docs/benchmarks.md): AOTAutograd's graphs
+    call the fedlt ops, and the step equals eager's exactly, channels-last and dynamic batch."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(graph, inputs):
+        graphs.append(graph)
+        return make_boxed_func(graph)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 3))
+    step = torch.compile(model, backend=aot_autograd(fw_compiler=keep, decompositions=compiled._pool_ops()))
+    for batch in (5, 3):
+        x = torch.randn(batch, 1, 8, 8).contiguous(memory_format=torch.channels_last)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        model.zero_grad()
+        step(x).square().sum().backward()
+        fast = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(fast, model.parameters()))
+    calls = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {"fedlt.max_pool2d_with_indices.default", "fedlt.max_pool2d_with_indices_backward.default"} <= calls
+    assert not any(c.startswith("aten.max_pool2d") or "low_memory_max_pool" in c for c in calls)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,6 +66,64 @@ def unavailable() -> str | None:
     return None
 
 
+_POOL_OPS: dict[str, Any] = {}
+
+
+def _pool_ops() -> dict[Any, Callable]:
+    """aten's max-pool forward and backward as two opaque ops (``fedlt::max_pool2d_with_indices``
+    and its backward, defined once), as decompositions of the aten ops: inductor then calls aten's
+    kernels instead of generating its own. Its generated CPU max-pool (an argmax reduction for the
+    indices) took 3.8 ms of FedAvgCNN's step at batch 10 where aten's channels-last kernel takes
+    0.2 ms — the whole of ``--compile``'s CPU loss (docs/benchmarks.md#compile-vs-eager-issue-43)."""
+    aten = torch.ops.aten
+    if not _POOL_OPS:
+        flexible = (torch.Tag.flexible_layout,)  # any input layout: inductor's channels-last is aten's fast one
+
+        @torch.library.custom_op("fedlt::max_pool2d_with_indices", mutates_args=(), tags=flexible)
+        def pool(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+                 dilation: list[int], ceil_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+        @torch.library.custom_op("fedlt::max_pool2d_with_indices_backward", mutates_args=(), tags=flexible)
+        def pool_backward(grad: torch.Tensor, x: torch.Tensor, kernel_size: list[int], stride: list[int],
+                          padding: list[int], dilation: list[int], ceil_mode: bool,
+                          indices: torch.Tensor) -> torch.Tensor:
+            return aten.max_pool2d_with_indices_backward.default(grad, x, kernel_size, stride, padding, dilation,
+                                                                 ceil_mode, indices)
+
+        pool.register_fake(lambda *args: aten.max_pool2d_with_indices.default(*args))  # aten's meta kernels
+        pool_backward.register_fake(lambda *args: aten.max_pool2d_with_indices_backward.default(*args))
+        _POOL_OPS.update(forward=pool, backward=pool_backward)
+
+    def forward(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        return _POOL_OPS["forward"](x, *map(_ints, (kernel_size, stride, padding, dilation)), ceil_mode)
+
+    def backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        return _POOL_OPS["backward"](grad, x, *map(_ints, (kernel_size, stride, padding, dilation)), ceil_mode,
+                                     indices)
+
+    return {aten.max_pool2d_with_indices.default: forward, aten.max_pool2d_with_indices_backward.default: backward}
+
+
+def _ints(value: int | Sequence[int]) -> list[int]:
+    return [value] if isinstance(value, int) else list(value)
+
+
+def cpu_inductor(graph: torch.fx.GraphModule, inputs: list[Any]) -> Callable:
+    """Inductor on the CPU (its default mode, :func:`options`), max-pooling left to aten's kernels
+    (:func:`_pool_ops`); everything else — the convolutions and matmuls (aten's oneDNN/MKL
+    kernels in channels-last, inductor's layout choice) and the fused pointwise code — as inductor
+    makes it."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    patches = options(torch.device("cpu")) | {"force_layout_optimization": True}
+    with config.patch(patches):  # the table depends on fallback_random
+        table = dict(select_decomp_table()) | _pool_ops()
+    return compile_fx(graph, inputs, config_patches=patches, decompositions=table)
+
+
 class Compiled:
     """``eager`` through ``torch.compile``, with ``dims`` of its tensor arguments marked dynamic;
     after a compilation error, ``eager`` itself (``failed`` says why)."""
@@ -74,7 +132,10 @@ class Compiled:
                  device: torch.device, backend: str) -> None:
         self.eager, self.dims, self.device = eager, dims, device
         self.failed: str | None = unavailable()
-        kwargs = {"options": options(device)} if backend == "inductor" else {}
+        if backend == "inductor" and device.type == "cpu":
+            backend, kwargs = cpu_inductor, {}
+        else:
+            kwargs = {"options": options(device)} if backend == "inductor" else {}
         self.compiled = torch.compile(eager, backend=backend, **kwargs) if self.failed is None else eager
         self.cudagraphs = backend == "inductor" and device.type == "cuda"
 

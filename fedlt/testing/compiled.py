@@ -59,8 +59,8 @@ def check_compile(algorithm: Any, params: dict[str, Any] | None = None, *, backe
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-compile-") as tmp:
         c = Contract(f"algorithm {name!r}")
-        base = dict(TINY, model="mlp", clients=5, participation=1.0, fused="off", **settings, algorithm=name,
-                    algorithm_params=dict(params or {}), out=Path(tmp) / "run")
+        base = dict(TINY, model="mlp", clients=5, participation=1.0, fused="off") | settings | dict(
+            algorithm=name, algorithm_params=dict(params or {}), out=Path(tmp) / "run")
         runners = {"sequential": LocalRunner} | ({f"cohort {cohort}": lambda: CohortRunner(LocalRunner(), cohort)}
                                                   if cohort > 1 else {})
         for label, schedule in SCHEDULES.items():
