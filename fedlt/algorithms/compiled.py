@@ -14,7 +14,9 @@ new run's module of the same architecture reuses them too.
   epoch's short last batch and a cohort's masked clients run one graph, not one per size. Size 1
   is the exception dynamo makes for every dynamic dimension: one more graph, compiled once.
 - **Backends**: inductor, with CUDA graphs on CUDA (``mode="reduce-overhead"``'s option,
-  ``triton.cudagraphs``) and the default mode on the CPU. ``fallback_random`` keeps random
+  ``triton.cudagraphs``) and the default mode on the CPU, there with max-pooling on aten's
+  kernels and the convolutions channels-last (:func:`cpu_inductor`: inductor's own CPU max-pool
+  made the step 1.5× eager's; with aten's it is level, docs/benchmarks.md#compile-vs-eager-issue-43). ``fallback_random`` keeps random
   operations (dropout) on torch's own generator, so a compiled step draws what the eager step
   draws from the client's stream.
 - **Fallback**: a model that dynamo or the backend cannot compile runs eagerly from then on; the
@@ -222,4 +224,4 @@ def failure(model: nn.Module | None) -> str | None:
     return next((c.failed for c in _FORWARD.get(model, {}).values() if c.failed), None) or _EAGER.get(model)
 
 
-__all__ = ["BACKEND", "Compiled", "default_backend", "failure", "forward", "left_eager", "options", "unavailable", "vmapped"]
+__all__ = ["BACKEND", "Compiled", "cpu_inductor", "default_backend", "failure", "forward", "left_eager", "options", "unavailable", "vmapped"]

@@ -259,13 +259,13 @@ def compile_reason(algorithm: Any) -> str | None:
 
 def compile_notice(algorithm: Any, device: torch.device) -> str:
     """The line a run with ``--compile`` starts with: why its steps stay eager, or what compiling
-    them costs on ``device`` (on the CPU it was measured slower than eager: docs/benchmarks.md)."""
+    them costs on ``device`` (on the CPU it was measured level with eager: docs/benchmarks.md)."""
     reason = compile_reason(algorithm)
     if reason is not None:
         return f"fedlt: --compile leaves the local steps eager: {reason}"
     if device.type == "cpu":
         return ("fedlt: --compile on the CPU: the first round compiles (tens of seconds) and the rounds after it "
-                "were measured slower than eager (PFLlib's CNN, docs/benchmarks.md); it is meant for CUDA")
+                "were measured level with eager, not faster (PFLlib's CNN, docs/benchmarks.md); it is meant for CUDA")
     return f"fedlt: --compile: the local steps' forward and backward compiled on {device} (the first round compiles)"
 
 
