@@ -40,12 +40,28 @@ def test_what_now_runs_batched(name):  # the terms hook (a representation, a sec
     assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 
 
-def test_models_coupling_a_batch_or_drawing_randomness_fall_back():
+class _FunctionalDropout(nn.Module):
+    def forward(self, x):
+        return nn.functional.dropout(x, 0.5, self.training)
+
+
+def test_models_drawing_randomness_or_a_cumulative_batchnorm_fall_back():
     plain = fedlt.algorithms.create("fedavg")
     assert cohort_reason(plain, nn.Sequential(nn.Linear(2, 2))) is None
-    assert "BatchNorm1d" in cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))) is None
+    assert "momentum=None" in cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, momentum=None)))
     assert "Dropout" in cohort_reason(plain, nn.Sequential(nn.Dropout(0.5)))
+    # the probe's forward passes BatchNorm batched buffers, so it reaches randomness behind one
+    behind = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), _FunctionalDropout())
+    assert "random operation" in cohort_reason(plain, behind, torch.ones(1, 2))
     assert "split learning" in cohort_reason(fedlt.algorithms.create("scala"), nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["fedavg", "apfl"])
+def test_batchnorm_keeps_each_clients_running_statistics(name):
+    """ResNet-8 (its smallest scaling) in float64: its float32 training amplifies rounding past 1e-5 on
+    the sequential path alone. A cohort that drops a step's statistics, or APFL's second forward's, fails."""
+    check_cohort(name, model="resnet8(scaling=1)", clients=2, size=2, train_limit=20, float64=True)
 
 
 def test_off_by_default_and_a_checked_setting(resolved):

@@ -85,10 +85,15 @@ def _probe(model: nn.Module, sample: torch.Tensor) -> str | None:
         return _PROBED[model]
     reason = None
     mode = model.training
+    # the buffers batched over one client, so BatchNorm's in-place update of its running statistics
+    # is one of a batched tensor (vmap refuses it on the module's own), on a copy; two copies of
+    # the sample, so a BatchNorm1d has more than one value per channel
+    buffers = {n: b.unsqueeze(0).clone() for n, b in model.named_buffers()}
+    x = sample[:1].expand(2, *sample.shape[1:]).unsqueeze(0)
     try:
         model.train()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            vmap(lambda x: model(x.unsqueeze(0)), randomness="error")(sample[:1])
+            vmap(lambda b, xs: functional_call(model, b, (xs,)), randomness="error")(buffers, x)
     except RuntimeError as exc:
         if "random" in str(exc):
             reason = "the model's forward calls a random operation (e.g. F.dropout), which vmap cannot give each " \
@@ -116,10 +121,28 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     reason = next((r for r in map(_loop_reason, loops) if r), None)
     if reason:
         return reason
+    return _norm_reason(model) or _random_module(model) or (_probe(model, sample) if sample is not None else None)
+
+
+def _norm_reason(model: nn.Module) -> str | None:
+    """Why the model's BatchNorm cannot keep per-client running statistics as stacked buffers: a
+    cumulative average (``momentum=None``) reads ``num_batches_tracked`` as a Python number."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            return f"the model has {type(m).__name__} (running statistics updated in place per client)"
-    return _random_module(model) or (_probe(model, sample) if sample is not None else None)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats \
+                and m.momentum is None:
+            return (f"the model's {type(m).__name__} has momentum=None (a cumulative average that reads "
+                    "num_batches_tracked on the host, once per client)")
+    return None
+
+
+def running_names(model: nn.Module) -> list[str]:
+    """The buffers a training-mode forward updates in place: BatchNorm's running statistics
+    (running_mean, running_var, num_batches_tracked), by state-dict name."""
+    names = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            names += [f"{prefix}.{n}" if prefix else n for n, b in m.named_buffers(recurse=False) if b is not None]
+    return names
 
 
 def _loop_reason(update: ClientUpdate) -> str | None:
@@ -252,12 +275,17 @@ class Cohort:
         self.prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
         self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
-        trainable = set(self.names)
-        # frozen parameters and buffers: the same for every step, stacked once (a non-persistent
-        # buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
+        # BatchNorm's running statistics: each client's own, stacked; a step passes its group's
+        # rows to the vmapped forward, whose in-place updates (one per client, on that client's
+        # batch statistics) are written back after the step's terms
+        self.running = {n: torch.stack([t.weights[n] for t in self.tasks])
+                        for n in running_names(model) if n in self.tasks[0].weights}
+        moving = set(self.names) | set(self.running)
+        # frozen parameters and the other buffers: the same for every step, stacked once (a
+        # non-persistent buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
         self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
                       for n, _ in [*model.named_parameters(), *model.named_buffers()]
-                      if n not in trainable and n in self.tasks[0].weights}
+                      if n not in moving and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
@@ -290,7 +318,8 @@ class Cohort:
         ks = [k for k, _, _ in group]
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-        params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        running = {n: t.index_select(0, index) for n, t in self.running.items()}
+        params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
         x = torch.stack([x for _, x, _ in group])
         device = x.device
         with forward_precision(self.schedule.precision, device):
@@ -315,6 +344,8 @@ class Cohort:
                     c.parts.setdefault(name, []).append(value.detach())
                 c.steps += 1
                 total.append(sum(parts.values()))
+        for name, rows in running.items():
+            self.running[name].index_copy_(0, index, rows)
         with backward_precision(device):
             torch.stack(total).sum().backward()
         grads = self._corrected(ks, leaves)
@@ -333,10 +364,13 @@ class Cohort:
             with torch.no_grad():
                 for i, name in enumerate(self.names):
                     tensors[name].copy_(self.weights[i][k])
-                for name, stacked in self.fixed.items():
+                for name, stacked in [*self.fixed.items(), *self.running.items()]:
                     tensors[name].copy_(stacked[k])
             with _Seeded(c):
                 self.update.stepped(c.local, self.model, x, y, c.steps - 1)
+            with torch.no_grad():  # a training-mode forward in the hook (APFL's w(x)) moved the statistics
+                for name, stacked in self.running.items():
+                    stacked[k].copy_(tensors[name])
 
     @torch.no_grad()
     def _teacher(self, ks: list[int], x: torch.Tensor) -> torch.Tensor:
@@ -407,7 +441,7 @@ class Cohort:
         task = c.task
         train_loss = check_parts(c.parts, c.steps, task)
         params = [w[k] for w in self.weights]
-        trained = dict(zip(self.names, params))
+        trained = dict(zip(self.names, params)) | {n: r[k] for n, r in self.running.items()}
         self.model.load_state_dict({n: trained.get(n, t) for n, t in task.weights.items()})
         with _Seeded(c):
             own, extras = self.update.end(c.local, task, self.model, params, c.steps)
