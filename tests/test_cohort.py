@@ -22,20 +22,28 @@ def test_the_family_is_found():
     assert {"fedavg", "fedprox", "fedlc", "fedvls", "fedgrab", "scaffold", "feddyn", "fednova", "moon"} <= set(FEDAVG_FAMILY)
 
 
+# FedLoGe's float32 contract crosses a ReLU's kink: on client 4's 9th step by epochs a hidden unit's
+# pre-activation is 3.7e-9 in the batched matmul and <= 0 alone, which moves that step's gradient
+# 6.7e-3 and l_head 4.5e-4 two rounds on; in float64 cohort and sequential agree to 8e-17
+FLOAT64 = {"fedloge", "fedrela"}
+COHORT_PARAMS = {"fedrela": {"relabel_start": 1}}  # round 2 relabelled (the default starts at 90 % of the rounds)
+
+
 @pytest.mark.parametrize("name", FEDAVG_FAMILY)
 def test_cohort_equals_sequential(name):
-    check_cohort(name, cheap.params(name))  # CReFF's, CCVR's and FedLoGe's server-side sizes cut (tests/cheap.py)
+    # CReFF's, CCVR's and FedLoGe's server-side sizes cut (tests/cheap.py)
+    check_cohort(name, cheap.params(name) | COHORT_PARAMS.get(name, {}), float64=name in FLOAT64)
 
 
 @pytest.mark.parametrize("name,why", [("fedsam", "overrides ClientUpdate.backward"),
-                                      ("fedloge", "overrides ClientUpdate.parts"),
                                       ("feddecorr", "magnifies the batched forward's float rounding")])
 def test_what_cannot_be_vmapped_says_why(name, why):
     algorithm = fedlt.algorithms.create(name)
     assert why in cohort_reason(algorithm, nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper", "apfl", "ccvr"])
+@pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper", "apfl", "ccvr",
+                                  "fedloge", "fedrela"])
 def test_what_now_runs_batched(name):  # the terms hook (a representation, a second head, reference forwards), phases
     assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 

@@ -40,7 +40,7 @@ import fedlt.augment
 from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+from fedlt.algorithms.fedavg_family import (AroundUpdate, ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
                                             client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
@@ -48,13 +48,28 @@ from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
 def client_variant(algorithm: Any) -> ClientUpdate | None:
-    """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
-    when its client work is something else."""
-    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
-    fn = getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
+    """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``), inside
+    the updates run around it (:func:`around`); None when its client work is something else."""
+    fn = _given(algorithm)
+    while isinstance(fn, AroundUpdate):
+        fn = fn.update
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
+
+
+def _given(algorithm: Any) -> Any:
+    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    return getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
+
+
+def around(algorithm: Any) -> list[AroundUpdate]:
+    """The updates run around the algorithm's client loop, outermost first (FedReLa's relabelling)."""
+    out, fn = [], _given(algorithm)
+    while isinstance(fn, AroundUpdate):
+        out.append(fn)
+        fn = fn.update
+    return out
 
 
 # timm's attributes of randomness drawn in forward through torch.nn.functional, not a Dropout module
@@ -450,25 +465,46 @@ class Cohort:
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 
-def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                         rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
     """Each task the update answers without training (``without_loop``, in the client's stream
-    as sequentially), the others trained as one :class:`Cohort`; in the order of ``tasks``."""
-    answered = []
-    for task in tasks:
-        with client_rng(task):
+    as sequentially), the others trained as one :class:`Cohort` (their streams continued from
+    ``rng``); in the order of ``tasks``."""
+    answered, streams = [], list(rng) if rng is not None else [None] * len(tasks)
+    for task, stream in zip(tasks, streams):
+        with client_rng(task, stream):
             answered.append(update.without_loop(task, model))
     rest = [t for t, a in zip(tasks, answered) if a is None]
-    trained = iter(Cohort(update, rest, model).run() if rest else [])
+    kept = [r for r, a in zip(streams, answered) if a is None]
+    trained = iter(Cohort(update, rest, model, kept).run() if rest else [])
     return [a if a is not None else next(trained) for a in answered]
 
 
-def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+def train_around(arounds: Sequence[AroundUpdate], update: ClientUpdate, tasks: Sequence[ClientTask],
+                 model: nn.Module, rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
+    """:func:`train_cohort` inside the updates run around it (outermost first): each one's ``before``
+    and ``after`` client by client, in the client's stream (``rng``: where it stands), carried into
+    the training as sequentially."""
+    if not arounds:
+        return train_cohort(update, tasks, model, rng)
+    outer, prepared, streams = arounds[0], [], []
+    for task, stream in zip(tasks, rng or [None] * len(tasks)):
+        with client_rng(task, stream) as after:
+            prepared.append(outer.before(task, model))
+        streams.append(dict(after))
+    trained = train_around(arounds[1:], update, prepared, model, streams)
+    return [outer.after(p, r) for p, r in zip(prepared, trained)]
+
+
+def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                 rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
     """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
-    cohort per phase, each client's random stream carried from phase to phase."""
+    cohort per phase, each client's random stream carried from phase to phase (``rng``: where
+    each stream starts; None: at its beginning)."""
     if not isinstance(update, PhasedUpdate):
-        return _answered_or_trained(update, tasks, model)
+        return _answered_or_trained(update, tasks, model, rng)
     done: list[list[ClientResult]] = [[] for _ in tasks]
-    streams = None
+    streams = rng
     while True:
         steps = [update.phase(len(d), t, d) for t, d in zip(tasks, done)]
         if steps[0] is None:
@@ -514,12 +550,12 @@ class CohortRunner:
             self.first_fallback = f"round {tasks[0].round_index + 1}: {self.fallback}"
         if self.fallback is not None or self.size <= 1:
             return self.transport.call(algorithm, tasks)
-        update, out = client_variant(algorithm), []
+        update, arounds, out = client_variant(algorithm), around(algorithm), []
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += [uploaded(t, r) for t, r in zip(chunk, train_cohort(update, [isolated(t) for t in chunk],
-                                                                           algorithm._work))]
+                trained = train_around(arounds, update, [isolated(t) for t in chunk], algorithm._work)
+                out += [uploaded(t, r) for t, r in zip(chunk, trained)]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise

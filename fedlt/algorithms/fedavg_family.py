@@ -332,6 +332,27 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
     return float(table.double().sum(0).mean())
 
 
+class AroundUpdate:
+    """A client update run around another (``update``: a ``ClientUpdate`` or another
+    ``AroundUpdate``): ``before`` gives the task it trains from the received one (``model``: the
+    work module, or None), ``after`` its result from the inner update's (FedReLa: the client's
+    labels, then kept in its state). A cohort (fedlt.algorithms.cohort) runs ``before`` and
+    ``after`` client by client and trains the inner update's tasks together."""
+
+    update: Any
+
+    def before(self, task: ClientTask, model: nn.Module | None) -> ClientTask:
+        return task
+
+    def after(self, task: ClientTask, result: ClientResult) -> ClientResult:
+        """``task``: what ``before`` gave."""
+        return result
+
+    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+        prepared = self.before(task, model)
+        return self.after(prepared, self.update(prepared, model))
+
+
 class PhasedUpdate(ClientUpdate):
     """A round of several local loops, one after another on the same work module and in the
     client's one random stream (FedRep: the head, then the body; Ditto: w, then v).
