@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import fedlt.algorithms  # the registry (this package: loaded before this module, whoever imports it first)
 from fedlt.errors import FedltError
 
 
@@ -117,8 +118,6 @@ def differences(algorithm: str, effective: dict[str, Any]) -> list[tuple[Setting
 
 def algorithm_default(algorithm: str, param: str) -> Any:
     """The value of ``algorithm``'s parameter ``param`` when a run does not set it."""
-    import fedlt.algorithms  # here: fedlt.config imports this module while the algorithms load
-
     return getattr(fedlt.algorithms.create(algorithm), param, None)
 
 
