@@ -31,6 +31,9 @@ def test_every_declaration_names_a_registered_algorithm_and_applies(name):
         assert lookup(effective, s.key) == (True, s.value), s.key
         assert cfg.preset_settings[s.key] == {"value": s.value, "source": s.source}
     assert differences(name, effective) == [] and differences_line(name, effective) is None
+    if settings.fedlt_defaults:  # SCALA's: fedlt's defaults are theirs, so no run is told otherwise
+        defaults = RunConfig(algorithm=name).model_dump(mode="json")
+        assert all(lookup(defaults, s.key) == (True, s.value) for s in settings.settings)
 
 
 def test_explicit_values_win_and_the_record_survives_a_reload():

@@ -33,6 +33,9 @@ class AuthorsSettings:
     code: str  # repository@commit
     settings: tuple[Setting, ...]
     note: str = ""
+    # fedlt's run defaults are these settings (SCALA's): a run's other values are its user's choice,
+    # not fedlt's, and no note names them
+    fedlt_defaults: bool = False
 
     def as_config(self) -> dict[str, Any]:
         """The settings as a nested RunConfig table (``{"optimiser": {"lr": ...}, ...}``)."""
@@ -52,13 +55,16 @@ PRESETS = ("authors",)
 WHY_NONE: dict[str, str] = {}
 
 
-def declare(algorithm: str, code: str, settings: dict[str, tuple[Any, str]], note: str = "") -> None:
+def declare(algorithm: str, code: str, settings: dict[str, tuple[Any, str]], note: str = "",
+            fedlt_defaults: bool = False) -> None:
     """Declare ``algorithm``'s authors' settings: ``{key: (value, "file:line")}``, each file of
-    ``code`` (``repository@commit``)."""
+    ``code`` (``repository@commit``; ``paper: <paper>`` where they published no code, each place
+    a section, table or algorithm of it). ``fedlt_defaults``: fedlt's run defaults are these."""
     if algorithm in AUTHORS:
         raise FedltError(f"the authors' settings of {algorithm!r} are declared twice")
     AUTHORS[algorithm] = AuthorsSettings(algorithm, code, tuple(Setting(k, v, f"{code}:{where}")
-                                                                for k, (v, where) in settings.items()), note)
+                                                                for k, (v, where) in settings.items()), note,
+                                         fedlt_defaults)
 
 
 def authors_settings(algorithm: str) -> AuthorsSettings | None:
@@ -104,7 +110,7 @@ def differences(algorithm: str, effective: dict[str, Any]) -> list[tuple[Setting
     """The authors' settings of ``algorithm`` that ``effective`` (a whole RunConfig as a table)
     does not follow: ``(their setting, the value used)`` each."""
     settings = AUTHORS.get(algorithm)
-    if settings is None:
+    if settings is None or settings.fedlt_defaults:
         return []
     out = []
     for s in settings.settings:
@@ -428,10 +434,11 @@ _SCALA_SETTINGS = {
     "server_batch": (320, "§5.1 Implementation details"),
     "local_iters": (5, "§5.1 Implementation details"),
 }
-declare("scala", SCALA_PAPER, _SCALA_SETTINGS, note="the paper states no momentum, weight decay or clip: fedlt's "
-        "(0.9, 5e-4, 10) come from the authors' code as SPEC §3 records it, which is not public")
-declare("fedlogit", SCALA_PAPER, _SCALA_SETTINGS, note="FedLogit is SCALA's baseline (§5.1 Baselines: FL with "
-        "the client loss of eq. 15), run with the paper's settings")
+declare("scala", SCALA_PAPER, _SCALA_SETTINGS, fedlt_defaults=True, note="fedlt's defaults; the paper states "
+        "no momentum, weight decay or clip: fedlt's (0.9, 5e-4, 10) come from the authors' code as SPEC §3 records "
+        "it, which is not public")
+declare("fedlogit", SCALA_PAPER, _SCALA_SETTINGS, fedlt_defaults=True, note="fedlt's defaults; FedLogit is SCALA's "
+        "baseline (§5.1 Baselines: FL with the client loss of eq. 15), run with the paper's settings")
 
 FEDLC_PAPER = "paper: Zhang et al., FedLC, ICML 2022"
 declare("fedlc", FEDLC_PAPER, {
