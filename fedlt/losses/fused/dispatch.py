@@ -3,7 +3,8 @@
 - ``off``: the reference (eager, term by term; the ground truth).
 - ``on``: Triton kernels for CUDA tensors (when triton imports), the analytic torch path of
   :mod:`.cpu` for every other tensor.
-- ``auto``: Triton on CUDA, each kernel once it passed its check on the device (:mod:`.trust`:
+- ``auto``: Triton on CUDA from the sizes where the device check measured it faster
+  (``CUDA_AUTO_RULES``), each kernel once it passed its check on the device (:mod:`.trust`:
   value and gradient against the reference on a probe batch; a failure warns once and the
   reference runs); on the CPU the fused path only where ``benchmarks/fused_loss.py``
   measured it faster than the reference (``CPU_AUTO_RULES``); the reference elsewhere.
@@ -39,6 +40,19 @@ CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "composite": (100, 300_000),  # anything with vacant_kd or logit_suppression (fedvls)
     "pair": (100, 300_000),  # SCALA's offset_ce_pair, against its eager pair (a few ops for any K)
     "sgb": (10, 10_000),
+}
+
+# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels may run.
+# The device check (benchmarks/launch_overhead.py, docs/fused.md; an H200, 2026-11-28) found both
+# paths bound by the host at these sizes — 10–25 µs per operator issued, ~20 µs per Triton launch —
+# and the reference issuing fewer operators: logit_adjust at 4096×1000 took 0.18 ms eager against
+# 0.83 ms fused, SCALA's pair 1.0 against 1.7 ms, the fedvls composite was level, and only at
+# 65536×1000 did the composite's saved traffic win (1.5×). A family not listed (``sgb``: level or
+# faster at 4096×1000) runs its kernel at any size.
+CUDA_AUTO_RULES: dict[str, int] = {
+    "ce": 2**26,
+    "composite": 2**24,
+    "pair": 2**24,
 }
 
 
@@ -93,6 +107,9 @@ def backend(mode: str, logits: torch.Tensor, kind: str) -> ModuleType | None:
     if mode == "off":
         return None
     if logits.device.type in TRITON_DEVICES:
+        floor = CUDA_AUTO_RULES.get(kind) or CUDA_AUTO_RULES.get(family(kind))
+        if mode == "auto" and logits.device.type == "cuda" and floor is not None and logits.numel() < floor:
+            return None
         triton = triton_backend()
         if triton is not None and (mode == "on" or trust.trusted(kind, logits, triton)):
             return triton
