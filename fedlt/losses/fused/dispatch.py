@@ -42,17 +42,17 @@ CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "sgb": (10, 10_000),
 }
 
-# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels may run.
-# The device check (benchmarks/launch_overhead.py, docs/fused.md; an H200, 2026-11-28) found both
-# paths bound by the host at these sizes — 10–25 µs per operator issued, ~20 µs per Triton launch —
-# and the reference issuing fewer operators: logit_adjust at 4096×1000 took 0.18 ms eager against
-# 0.83 ms fused, SCALA's pair 1.0 against 1.7 ms, the fedvls composite was level, and only at
-# 65536×1000 did the composite's saved traffic win (1.5×). A family not listed (``sgb``: level or
-# faster at 4096×1000) runs its kernel at any size.
+# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. The
+# device check (fused_vs_eager's per_probe rows, an H200, 2026-11-28; docs/fused.md) timed each
+# probe's forward+backward at 4096, 16384 and 65536 × 1000: both paths are bound by the host there
+# (~10 µs an operator issued, ~14 µs a Triton launch; benchmarks/launch_overhead.py) and the reference
+# issues fewer operators for plain CE — logit_adjust 0.33×, 0.30×, 0.67× — and SCALA's pair (0.63×,
+# 0.63×, 0.83×): never faster, so reference up to 2^27; the composites (fedvls 1.06×, 1.05×, 1.77×;
+# logit_suppression 0.72×, 0.71×, 1.46×) from 65536×1000. sgb (1.0–6.9× at every size) is not held back.
 CUDA_AUTO_RULES: dict[str, int] = {
-    "ce": 2**26,
-    "composite": 2**24,
-    "pair": 2**24,
+    "ce": 2**27,
+    "composite": 65536 * 1000,
+    "pair": 2**27,
 }
 
 
