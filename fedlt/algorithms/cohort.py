@@ -7,7 +7,8 @@ SGD), which leaves a GPU idle between launches for the small models of label-ske
 dimension, and each local step is
 
     logits[k] = f(θ_k, x_k) for every k at once       (``torch.func.vmap`` of ``functional_call``)
-    loss = Σ_k objective_k(logits[k], y_k)            (each client's own objective object)
+    loss = Σ_k objective_k(logits[k], y_k)            (each client's own objective object; one
+                                                       cross-entropy over all rows when each is CE(z + o_k, y))
     ∂loss/∂θ_k = ∂objective_k/∂θ_k                     (one backward: the clients do not interact)
     per client: the variant's ``correct`` hook, clip to its own norm, SGD with its own momentum
 
