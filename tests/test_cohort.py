@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fedlt.algorithms
-from fedlt.algorithms.cohort import cohort_reason, with_cohort
+from fedlt.algorithms.cohort import cohort_reason, running_names, with_cohort
 from fedlt.algorithms.fedavg_family import FedAvgFamily
 from fedlt.algorithms.protocol import LocalRunner
 from fedlt.testing import check_cohort
@@ -57,6 +57,9 @@ def test_models_drawing_randomness_or_a_cumulative_batchnorm_fall_back():
     plain = fedlt.algorithms.create("fedavg")
     assert cohort_reason(plain, nn.Sequential(nn.Linear(2, 2))) is None
     assert cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))) is None
+    tracking = nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2, track_running_stats=True))
+    assert cohort_reason(plain, tracking, torch.zeros(1, 1, 5, 5)) is None
+    assert running_names(tracking) == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     assert "momentum=None" in cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, momentum=None)))
     assert "Dropout" in cohort_reason(plain, nn.Sequential(nn.Dropout(0.5)))
     # the probe's forward passes BatchNorm batched buffers, so it reaches randomness behind one

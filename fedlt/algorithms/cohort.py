@@ -146,7 +146,7 @@ def _norm_reason(model: nn.Module) -> str | None:
     """Why the model's BatchNorm cannot keep per-client running statistics as stacked buffers: a
     cumulative average (``momentum=None``) reads ``num_batches_tracked`` as a Python number."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats \
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats \
                 and m.momentum is None:
             return (f"the model's {type(m).__name__} has momentum=None (a cumulative average that reads "
                     "num_batches_tracked on the host, once per client)")
@@ -154,11 +154,12 @@ def _norm_reason(model: nn.Module) -> str | None:
 
 
 def running_names(model: nn.Module) -> list[str]:
-    """The buffers a training-mode forward updates in place: BatchNorm's running statistics
-    (running_mean, running_var, num_batches_tracked), by state-dict name."""
+    """The buffers a training-mode forward updates in place: the running statistics (running_mean,
+    running_var, num_batches_tracked) of a BatchNorm, or of an InstanceNorm that tracks them, by
+    state-dict name."""
     names = []
     for prefix, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
             names += [f"{prefix}.{n}" if prefix else n for n, b in m.named_buffers(recurse=False) if b is not None]
     return names
 
