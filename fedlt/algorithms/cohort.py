@@ -40,7 +40,7 @@ import fedlt.augment
 from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts, client_norms,
                                             client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
@@ -290,15 +290,39 @@ class Cohort:
         ks = [k for k, _, _ in group]
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-        params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
         x = torch.stack([x for _, x, _ in group])
-        device = x.device
-        with forward_precision(self.schedule.precision, device):
-            if self.update.features:
-                logits, features = vmap(self._with_features)(params, x)
-            else:
-                logits, features = self.vmapped(params, x), None
+        with forward_precision(self.schedule.precision, x.device):
             teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
+        self._backward(group, leaves, fixed, x, teacher, record=True)
+        grads = [leaf.grad for leaf in leaves]
+        if type(self.update).ascent is not ClientUpdate.ascent:
+            leaves, grads = self._again_at_ascent(group, leaves, fixed, x, teacher, grads)
+        grads = self._corrected(ks, leaves, grads)
+        self._clip(grads)
+        self._sgd(index, leaves, grads)
+        if type(self.update).stepped is not ClientUpdate.stepped:
+            self._stepped(group)
+
+    def _backward(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
+                  fixed: dict[str, torch.Tensor], x: torch.Tensor, teacher: torch.Tensor | None,
+                  record: bool) -> None:
+        """One batched forward of the group's clients on their ``step_input`` (each drawn in its
+        stream), each client's ``terms`` on its slice, one backward of their sum into ``leaves``;
+        ``record``: the parts are the step's (its loss, its count), not a second pass's."""
+        params = dict(zip(self.names, leaves)) | fixed
+        inputs = x
+        if type(self.update).step_input is not ClientUpdate.step_input:
+            inputs = []
+            for j, (k, _, _) in enumerate(group):
+                with _Seeded(self.clients[k]):
+                    inputs.append(self.update.step_input(self.clients[k].local, x[j]))
+            inputs = torch.stack(inputs)
+        with forward_precision(self.schedule.precision, x.device):
+            if self.update.features:
+                logits, features = vmap(self._with_features)(params, inputs)
+            else:
+                logits, features = self.vmapped(params, inputs), None
             total = []
             for j, (k, _, y) in enumerate(group):
                 c = self.clients[k]
@@ -307,21 +331,32 @@ class Cohort:
                     extra["teacher_logits"] = teacher[j]
                 if c.objective.needs_params:
                     extra["params"] = [leaf[j] for leaf in leaves]
-                forward = _ClientForward(self.model, self.prefixes, params, j, x[j], logits[j],
+                forward = _ClientForward(self.model, self.prefixes, params, j, inputs[j], logits[j],
                                          None if features is None else features[j])
                 with _Seeded(c):
                     parts = self.update.terms(c.local, forward, c.objective, y, extra)
-                for name, value in parts.items():
-                    c.parts.setdefault(name, []).append(value.detach())
-                c.steps += 1
+                if record:
+                    for name, value in parts.items():
+                        c.parts.setdefault(name, []).append(value.detach())
+                    c.steps += 1
                 total.append(sum(parts.values()))
-        with backward_precision(device):
+        with backward_precision(x.device):
             torch.stack(total).sum().backward()
-        grads = self._corrected(ks, leaves)
-        self._clip(grads)
-        self._sgd(index, leaves, grads)
-        if type(self.update).stepped is not ClientUpdate.stepped:
-            self._stepped(group)
+
+    def _again_at_ascent(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
+                         fixed: dict[str, torch.Tensor], x: torch.Tensor, teacher: torch.Tensor | None,
+                         grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``ClientUpdate.backward``'s second pass for the group: each client's ε from its own
+        gradients (``ascent``: its own norm), the gradients again at w + ε, the weights w + ε − ε
+        (as the sequential step leaves them) with those gradients."""
+        with torch.no_grad():
+            ascent = self.update.ascent([leaf.new_zeros(leaf.shape) if g is None else g
+                                         for leaf, g in zip(leaves, grads)])
+            perturbed = [(leaf.detach() + e).requires_grad_(True) for leaf, e in zip(leaves, ascent)]
+        self._backward(group, perturbed, fixed, x, teacher, record=False)
+        with torch.no_grad():
+            restored = [p.detach() - e for p, e in zip(perturbed, ascent)]
+        return restored, [p.grad for p in perturbed]
 
     def _stepped(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """The variant's ``stepped`` hook (APFL's personal model v and α), client by client after
@@ -345,10 +380,10 @@ class Cohort:
         with eval_mode(self.model):
             return upcast(vmap(self._forward)(received, x))
 
-    def _corrected(self, ks: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _corrected(self, ks: list[int], leaves: list[torch.Tensor],
+                   grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The stacked gradients after each client's ``correct`` hook (SCAFFOLD, FedDyn), which
         edits per-client parameter views whose ``.grad`` is that client's slice."""
-        grads = [leaf.grad for leaf in leaves]
         if type(self.update).correct is ClientUpdate.correct:
             return grads
         per_client = []
@@ -377,8 +412,7 @@ class Cohort:
             return
         present = [g for g in grads if g is not None]
         # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
-        coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
+        coef = torch.clamp(self.schedule.clip / (client_norms(present) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 
