@@ -35,8 +35,10 @@ def test_what_cannot_be_vmapped_says_why(name, why):
 
 
 @pytest.mark.parametrize("name", ["moon", "fedrod", "fedlf", "fedproto", "fedrep", "ditto", "fedper", "apfl", "ccvr",
-                                  "fedsam"])
-def test_what_now_runs_batched(name):  # the terms hook (a representation, a second head, reference forwards), phases, SAM's ascent
+                                  "fedsam", "fedyoyo", "fedgela"])
+def test_what_now_runs_batched(name):
+    # the terms hook (a representation, a second head, reference forwards), phases, SAM's ascent,
+    # FedYoYo's step_input (two views) and without_loop (its measuring task); FedGELA's terms and build
     assert cohort_reason(fedlt.algorithms.create(name), nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
 
 
@@ -46,6 +48,11 @@ def test_models_coupling_a_batch_or_drawing_randomness_fall_back():
     assert "BatchNorm1d" in cohort_reason(plain, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     assert "Dropout" in cohort_reason(plain, nn.Sequential(nn.Dropout(0.5)))
     assert "split learning" in cohort_reason(fedlt.algorithms.create("scala"), nn.Linear(2, 2))
+    # FedGELA's own work module: its head's BatchNorm1d is what keeps it sequential
+    from fedlt.algorithms.fedgela import with_gela_head
+    from fedlt.models.alexnet import MLP
+
+    assert "BatchNorm1d" in cohort_reason(fedlt.algorithms.create("fedgela"), with_gela_head(MLP(hidden=(16,))))
 
 
 def test_off_by_default_and_a_checked_setting(resolved):

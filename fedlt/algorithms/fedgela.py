@@ -23,10 +23,10 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import RunContext, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, StepForward
 from fedlt.algorithms.personal import EvalTask
 from fedlt.algorithms.pfl import eval_device
-from fedlt.algorithms.protocol import ClientResult, ClientTask
+from fedlt.algorithms.protocol import ClientTask
 from fedlt.bounds import MAX_SEED
 from fedlt.models import classifier, heads
 from fedlt.models.heads import simplex_etf
@@ -98,19 +98,17 @@ class GELAUpdate(ClientUpdate):
     temperature: float = 0.2
     seed: int = 0
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
-        if model is None:
-            model = with_gela_head(place_model(task.context.model.build(), task.data.x.device), self.seed)
-        return super().__call__(task, model)
+    def build(self, task: ClientTask) -> nn.Module:
+        return with_gela_head(super().build(task), self.seed)
 
     def begin(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter]) -> Any:
         scale = local_adaptation(task.data.class_counts) / self.temperature
         like = next(model.parameters()).dtype  # the model's: a float64 run's Ew / T is not rounded to float32
         return {"scale": scale.to(task.data.x.device, like)}
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {OBJECTIVE: objective(upcast(model(x)) * local["scale"], y, **extra)}
+        return {OBJECTIVE: objective(upcast(forward.logits) * local["scale"], y, **extra)}
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
