@@ -28,7 +28,7 @@ def test_cohort_equals_sequential(name):
 
 
 @pytest.mark.parametrize("name,why", [("fedloge", "overrides ClientUpdate.parts"),
-                                      ("feddecorr", "magnifies the batched forward's float rounding")])
+                                      ("feddecorr", "amplifies float32 rounding itself")])
 def test_what_cannot_be_vmapped_says_why(name, why):
     algorithm = fedlt.algorithms.create(name)
     assert why in cohort_reason(algorithm, nn.Linear(2, 2))
@@ -138,3 +138,14 @@ def test_sams_ascent_is_each_clients_own():
     with pytest.MonkeyPatch.context() as patch, pytest.raises(ContractError, match="by epochs"):
         patch.setattr(stateful.SamUpdate, "ascent", pooled)
         check_cohort("fedsam", {"rho": 0.5}, clients=2, size=2, train_limit=60)
+
+
+def test_feddecorrs_refusal_is_its_own_sensitivity():
+    """FedDecorr stays sequential because its sequential path itself moves far more than the
+    contract's 1e-5 from a perturbation of float32's rounding size (1e-7), where FedAvg's does
+    not: the premise of its cohort_refusal, measured (fedlt.testing.cohort.sensitivity)."""
+    from fedlt.testing.cohort import TOLERANCE, sensitivity
+
+    small = {"clients": 3, "train_limit": 120}
+    assert sensitivity("feddecorr", **small) > 100 * TOLERANCE
+    assert sensitivity("fedavg", **small) < TOLERANCE
