@@ -25,8 +25,8 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert time.process_time() - cpu < 40  # + the profile and ResNet-18 sections: ~8 s
     assert json.loads((tmp_path / "check.json").read_text())["sections"].keys() == result["sections"].keys()
     sections = result["sections"]
-    assert set(sections) == {"doctor", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist", "scala_s2", "bf16",
-                             "profile", "resnet18_cifar"}
+    assert set(sections) == {"doctor", "overheads", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist",
+                             "scala_s2", "bf16", "profile", "resnet18_cifar"}
     assert not [name for name, s in sections.items() if "error" in s]
     assert result["device"] == "cpu" and result["dry_run"]
     assert sections["kernels"]["all_passed"]  # the Triton kernels under the interpreter
@@ -37,7 +37,10 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
     assert "skipped" in timings["device --cohort 10 --compile"]  # inductor's compile: not in the suite's time
     assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
-    for task in ("pfllib", "scala"):  # the profile's phases add up to the round (the rest is "other Python")
+    assert {r["probe"] for r in sections["fused_vs_eager"]["per_probe"]} >= {"logit_adjust", "fedvls", "offset_ce_pair"}
+    assert all(r["fused_ms"] > 0 for r in sections["overheads"]["per_call"].values() if "fused_ms" in r)
+    assert sections["overheads"]["per_call"]["logit_adjust fwd+bwd 10x10 eager"]["wall_us"] > 0
+    for task in ("pfllib", "pfllib_cohort", "scala"):  # the phases add up to the round (the rest is "other Python")
         found = sections["profile"]["tasks"][task]
         assert sum(p["cpu_s"] for p in found["phases"]) == pytest.approx(found["round_cpu_s"])
         assert found["operators"]["python_ops"] > 0

@@ -7,7 +7,8 @@ SGD), which leaves a GPU idle between launches for the small models of label-ske
 dimension, and each local step is
 
     logits[k] = f(θ_k, x_k) for every k at once       (``torch.func.vmap`` of ``functional_call``)
-    loss = Σ_k objective_k(logits[k], y_k)            (each client's own objective object)
+    loss = Σ_k objective_k(logits[k], y_k)            (each client's own objective object; one
+                                                       cross-entropy over all rows when each is CE(z + o_k, y))
     ∂loss/∂θ_k = ∂objective_k/∂θ_k                     (one backward: the clients do not interact)
     per client: the variant's ``correct`` hook, clip to its own norm, SGD with its own momentum
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
@@ -40,7 +42,8 @@ import fedlt.augment
 from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts, client_norms,
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
+                                            client_norms,
                                             client_update, features_of, frozen, step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
@@ -145,6 +148,19 @@ def _same_schedule(tasks: Sequence[ClientTask]) -> str | None:
         if any(getattr(t.schedule, k) != getattr(first, k) for k in keys):
             return "the participants' optimisers differ (lr, momentum, weight decay, clip, precision or augmentation)"
     return None
+
+
+def offset_of(objective: Any, num_classes: int) -> torch.Tensor | None:
+    """o (float64, length C) when ``objective`` is exactly CE(z + o, y) with a finite o — one term of
+    weight 1 that declares its ``ce_offset`` and needs no teacher, parameters or state — else None."""
+    if objective.needs_teacher or objective.needs_params or objective.state_dict():
+        return None
+    flat = objective.flat_terms() if hasattr(objective, "flat_terms") else [(1.0, objective)]
+    if len(flat) != 1 or flat[0][0] != 1.0 or not hasattr(flat[0][1], "ce_offset"):
+        return None
+    offset = flat[0][1].ce_offset(num_classes)
+    # −inf (FedLC's absent classes) stays on the objective's own path, whose checks name a bad target
+    return offset if offset is not None and bool(torch.isfinite(offset).all()) else None
 
 
 @dataclass
@@ -260,8 +276,9 @@ class Cohort:
                       if n not in trainable and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
-        # per parameter and client: has its momentum buffer started (torch starts it at the first d_p)
-        self.started = [torch.zeros(len(w), dtype=torch.bool, device=w.device) for w in self.weights]
+        # per parameter, the clients whose momentum buffer has started (torch starts it at the first
+        # d_p): known from the loop itself, so kept on the host
+        self.started: list[set[int]] = [set() for _ in self.weights]
         # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
         # for the variants whose sequential step compiles too (step_reason)
         backend = self.schedule.compile if step_reason(type(self.update)) is None else None
@@ -289,27 +306,27 @@ class Cohort:
     def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ks = [k for k, _, _ in group]
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
-        leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-        fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
+        if len(ks) == len(self.clients):  # every client steps: the stacks themselves, no gather and scatter
+            leaves = [w.detach().requires_grad_(True) for w in self.weights]
+            fixed = self.fixed
+        else:
+            leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
+            fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()}
         x = torch.stack([x for _, x, _ in group])
-        with forward_precision(self.schedule.precision, x.device):
-            teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
-        self._backward(group, leaves, fixed, x, teacher, record=True)
-        grads = [leaf.grad for leaf in leaves]
+        self._backward(group, index, leaves, fixed, x, record=True)
         if type(self.update).ascent is not ClientUpdate.ascent:
-            leaves, grads = self._again_at_ascent(group, leaves, fixed, x, teacher, grads)
-        grads = self._corrected(ks, leaves, grads)
+            self._again_at_ascent(group, index, leaves, fixed, x)
+        grads = self._corrected(ks, leaves)
         self._clip(grads)
-        self._sgd(index, leaves, grads)
+        self._sgd(ks, index, leaves, grads)
         if type(self.update).stepped is not ClientUpdate.stepped:
             self._stepped(group)
 
-    def _backward(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
-                  fixed: dict[str, torch.Tensor], x: torch.Tensor, teacher: torch.Tensor | None,
-                  record: bool) -> None:
+    def _backward(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                  leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor, record: bool) -> None:
         """One batched forward of the group's clients on their ``step_input`` (each drawn in its
-        stream), each client's ``terms`` on its slice, one backward of their sum into ``leaves``;
-        ``record``: the parts are the step's (its loss, its count), not a second pass's."""
+        stream), their step losses, one backward of their sum into ``leaves``; ``record``: the
+        parts are the step's (its loss, its count), not a second pass's."""
         params = dict(zip(self.names, leaves)) | fixed
         inputs = x
         if type(self.update).step_input is not ClientUpdate.step_input:
@@ -323,40 +340,89 @@ class Cohort:
                 logits, features = vmap(self._with_features)(params, inputs)
             else:
                 logits, features = self.vmapped(params, inputs), None
-            total = []
-            for j, (k, _, y) in enumerate(group):
-                c = self.clients[k]
-                extra: dict[str, Any] = {}
-                if c.objective.needs_teacher:
-                    extra["teacher_logits"] = teacher[j]
-                if c.objective.needs_params:
-                    extra["params"] = [leaf[j] for leaf in leaves]
-                forward = _ClientForward(self.model, self.prefixes, params, j, inputs[j], logits[j],
-                                         None if features is None else features[j])
-                with _Seeded(c):
-                    parts = self.update.terms(c.local, forward, c.objective, y, extra)
-                if record:
-                    for name, value in parts.items():
-                        c.parts.setdefault(name, []).append(value.detach())
-                    c.steps += 1
-                total.append(sum(parts.values()))
+            offsets = self._offsets(logits.shape[-1])
+            if offsets is not None:
+                total = [self._offset_ce(group, index, offsets, logits, record)]
+            else:
+                total = self._terms(group, leaves, params, x, inputs, logits, features, record)
         with backward_precision(x.device):
             torch.stack(total).sum().backward()
 
-    def _again_at_ascent(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
-                         fixed: dict[str, torch.Tensor], x: torch.Tensor, teacher: torch.Tensor | None,
-                         grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """``ClientUpdate.backward``'s second pass for the group: each client's ε from its own
-        gradients (``ascent``: its own norm), the gradients again at w + ε, the weights w + ε − ε
-        (as the sequential step leaves them) with those gradients."""
+    def _again_at_ascent(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                         leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+        """``ClientUpdate.backward``'s second pass for the group, on ``leaves`` in place as the
+        sequential step does: each client's ε from its own gradients (``ascent``: its own norm),
+        the leaves moved to w + ε, their gradients taken again there, the leaves moved back by −ε."""
         with torch.no_grad():
-            ascent = self.update.ascent([leaf.new_zeros(leaf.shape) if g is None else g
-                                         for leaf, g in zip(leaves, grads)])
-            perturbed = [(leaf.detach() + e).requires_grad_(True) for leaf, e in zip(leaves, ascent)]
-        self._backward(group, perturbed, fixed, x, teacher, record=False)
+            ascent = self.update.ascent([leaf.new_zeros(leaf.shape) if leaf.grad is None else leaf.grad
+                                         for leaf in leaves])
+            for leaf, e in zip(leaves, ascent):
+                leaf.add_(e)
+        for leaf in leaves:
+            leaf.grad = None
+        self._backward(group, index, leaves, fixed, x, record=False)
         with torch.no_grad():
-            restored = [p.detach() - e for p, e in zip(perturbed, ascent)]
-        return restored, [p.grad for p in perturbed]
+            for leaf, e in zip(leaves, ascent):
+                leaf.sub_(e)
+
+    def _offsets(self, num_classes: int) -> torch.Tensor | None:
+        """Every participant's offset o_k (K×C, float64) when each one's step loss is the plain
+        ``terms`` of one offset cross-entropy CE(z + o_k, y) of weight 1 — ``ce``, ``logit_adjust``,
+        a finite ``fedlc`` — else None: then the step's loss is computed for all of them at once."""
+        if not hasattr(self, "offsets"):
+            self.offsets, self.offsets_on = None, {}
+            if type(self.update).terms is ClientUpdate.terms and not self.update.features and \
+                    type(self.update).step_input is ClientUpdate.step_input:
+                found = [offset_of(c.objective, num_classes) for c in self.clients]
+                if all(o is not None for o in found):
+                    self.offsets = torch.stack(found)
+        return self.offsets
+
+    def _offset_ce(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                   offsets: torch.Tensor, logits: torch.Tensor, record: bool) -> torch.Tensor:
+        """Σ_k CE(z_k + o_k, y_k) over the group as one cross-entropy over its G·B rows (each
+        client's own mean), instead of G objective calls: a step's loss in a fixed handful of
+        operators for any G. Each client's part is recorded as its objective's would be."""
+        z = upcast(logits)
+        key = (z.device, z.dtype)
+        if key not in self.offsets_on:  # once per cohort: no copy to the device per step
+            self.offsets_on[key] = offsets.to(device=z.device, dtype=z.dtype)
+        o = self.offsets_on[key].index_select(0, index)
+        y = torch.stack([y for _, _, y in group])
+        rows = F.cross_entropy((z + o.unsqueeze(1)).flatten(0, 1), y.flatten(), reduction="none")
+        losses = rows.view(len(group), -1).mean(1)
+        if record:
+            recorded = losses.detach()
+            for j, (k, _, _) in enumerate(group):
+                self.clients[k].parts.setdefault(OBJECTIVE, []).append(recorded[j])
+                self.clients[k].steps += 1
+        return losses.sum()
+
+    def _terms(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
+               params: dict[str, torch.Tensor], x: torch.Tensor, inputs: torch.Tensor, logits: torch.Tensor,
+               features: torch.Tensor | None, record: bool) -> list[torch.Tensor]:
+        """Each client's step loss from the variant's ``terms`` on its slice of the batched forward
+        (on ``inputs``, the clients' ``step_input`` of their minibatches ``x``)."""
+        ks = [k for k, _, _ in group]
+        teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
+        total = []
+        for j, (k, _, y) in enumerate(group):
+            c = self.clients[k]
+            extra: dict[str, Any] = {}
+            if c.objective.needs_teacher:
+                extra["teacher_logits"] = teacher[j]
+            if c.objective.needs_params:
+                extra["params"] = [leaf[j] for leaf in leaves]
+            forward = _ClientForward(self.model, self.prefixes, params, j, inputs[j], logits[j],
+                                     None if features is None else features[j])
+            with _Seeded(c):
+                parts = self.update.terms(c.local, forward, c.objective, y, extra)
+            if record:
+                for name, value in parts.items():
+                    c.parts.setdefault(name, []).append(value.detach())
+                c.steps += 1
+            total.append(sum(parts.values()))
+        return total
 
     def _stepped(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """The variant's ``stepped`` hook (APFL's personal model v and α), client by client after
@@ -380,10 +446,10 @@ class Cohort:
         with eval_mode(self.model):
             return upcast(vmap(self._forward)(received, x))
 
-    def _corrected(self, ks: list[int], leaves: list[torch.Tensor],
-                   grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _corrected(self, ks: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The stacked gradients after each client's ``correct`` hook (SCAFFOLD, FedDyn), which
         edits per-client parameter views whose ``.grad`` is that client's slice."""
+        grads = [leaf.grad for leaf in leaves]
         if type(self.update).correct is ClientUpdate.correct:
             return grads
         per_client = []
@@ -417,23 +483,51 @@ class Cohort:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 
     @torch.no_grad()
-    def _sgd(self, index: torch.Tensor, leaves: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """``torch.optim.SGD`` (momentum, dampening 0, weight decay) on each client's slice; the
-        first step of a parameter starts its momentum buffer at d_p, as torch does."""
+    def _sgd(self, ks: list[int], index: torch.Tensor, leaves: list[torch.Tensor],
+             grads: list[torch.Tensor | None]) -> None:
+        """``torch.optim.SGD`` (momentum, dampening 0, weight decay) on each client's slice, every
+        parameter at once (``torch._foreach_*``: a few multi-tensor kernels, not a dozen per
+        parameter); the first step of a parameter starts its momentum buffer at d_p, as torch does."""
         s = self.schedule
-        for i, (leaf, g) in enumerate(zip(leaves, grads)):
-            if g is None:  # torch's SGD skips a parameter without a gradient
-                continue
-            p = leaf.detach()
-            d_p = g.add(p, alpha=s.weight_decay) if s.weight_decay else g
-            if s.momentum:
-                buf = self.momentum[i].index_select(0, index)
-                first = ~self.started[i].index_select(0, index)
-                buf = torch.where(first.view(-1, *([1] * (buf.dim() - 1))), d_p, buf.mul(s.momentum).add(d_p))
+        live = [i for i, g in enumerate(grads) if g is not None]  # torch's SGD skips a parameter without one
+        if not live:
+            return
+        full = len(ks) == len(self.clients)
+        params = [leaves[i].detach() for i in live]
+        d_p = list(torch._foreach_add([grads[i] for i in live], params, alpha=s.weight_decay)) if s.weight_decay \
+            else [grads[i] for i in live]
+        if s.momentum:
+            d_p = self._momentum(ks, index, live, d_p, full)
+        if full:  # the leaves are the stacks
+            torch._foreach_add_([self.weights[i] for i in live], d_p, alpha=-s.lr)
+            return
+        for i, p, step in zip(live, params, d_p):
+            self.weights[i].index_copy_(0, index, p.add(step, alpha=-s.lr))
+
+    def _momentum(self, ks: list[int], index: torch.Tensor, live: list[int], d_p: list[torch.Tensor],
+                  full: bool) -> list[torch.Tensor]:
+        """buf ← μ·buf + d_p for the group's clients whose buffer started, buf ← d_p for the others;
+        the new buffers (the group's rows)."""
+        mu = self.schedule.momentum
+        bufs = [self.momentum[i] if full else self.momentum[i].index_select(0, index) for i in live]
+        running = []  # (buffer, step) of the parameters every one of whose clients has started
+        for i, buf, step in zip(live, bufs, d_p):
+            started = [k in self.started[i] for k in ks]
+            if all(started):
+                running.append((buf, step))
+            elif not any(started):
+                buf.copy_(step)
+            else:
+                first = to_device(torch.tensor([not s for s in started]), buf.device)
+                buf.copy_(torch.where(first.view(-1, *([1] * (buf.dim() - 1))), step, buf.mul(mu).add(step)))
+            self.started[i].update(ks)
+        if running:
+            torch._foreach_mul_([b for b, _ in running], mu)
+            torch._foreach_add_([b for b, _ in running], [d for _, d in running])
+        if not full:
+            for i, buf in zip(live, bufs):
                 self.momentum[i].index_copy_(0, index, buf)
-                self.started[i].index_fill_(0, index, True)
-                d_p = buf
-            self.weights[i].index_copy_(0, index, p.add(d_p, alpha=-s.lr))
+        return bufs
 
     def _finish(self, k: int, c: _Client) -> ClientResult:
         """The client's result as the loop's end gives it: its trained weights loaded into the
