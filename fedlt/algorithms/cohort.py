@@ -43,8 +43,8 @@ from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, AroundUpdate, ClientUpdate, Federated, PhasedUpdate, _PLAIN,
-                                            check_parts, client_update, features_of, frozen, step_reason,
-                                            trainable_names)
+                                            check_parts, client_norms, client_update, features_of, frozen,
+                                            step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -353,33 +353,66 @@ class Cohort:
         if len(ks) == len(self.clients):  # every client steps: the stacks themselves, no gather and scatter
             leaves = [w.detach().requires_grad_(True) for w in self.weights]
             running = self.running  # BatchNorm updates its statistics in the stacks themselves
-            params = dict(zip(self.names, leaves)) | self.fixed | running
+            fixed = self.fixed | running
         else:
             leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
             running = {n: t.index_select(0, index) for n, t in self.running.items()}
-            params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
+            fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
         x = torch.stack([x for _, x, _ in group])
-        device = x.device
-        with forward_precision(self.schedule.precision, device):
-            if self.update.features:
-                logits, features = vmap(self._with_features)(params, x)
-            else:
-                logits, features = self.vmapped(params, x), None
-            offsets = self._offsets(logits.shape[-1])
-            if offsets is not None:
-                total = [self._offset_ce(group, index, offsets, logits)]
-            else:
-                total = self._terms(group, leaves, params, x, logits, features)
-        if running is not self.running:  # a part of the clients stepped: their rows written back
+        self._backward(group, index, leaves, fixed, x, record=True)
+        if type(self.update).ascent is not ClientUpdate.ascent:  # a second forward: the statistics move again
+            self._again_at_ascent(group, index, leaves, fixed, x)
+        if running is not self.running:  # a part of the clients stepped: their statistics' rows written back
             for name, rows in running.items():
                 self.running[name].index_copy_(0, index, rows)
-        with backward_precision(device):
-            torch.stack(total).sum().backward()
         grads = self._corrected(ks, leaves)
         self._clip(grads)
         self._sgd(ks, index, leaves, grads)
         if type(self.update).stepped is not ClientUpdate.stepped:
             self._stepped(group)
+
+    def _backward(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                  leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor, record: bool) -> None:
+        """One batched forward of the group's clients on their ``step_input`` (each drawn in its
+        stream), their step losses, one backward of their sum into ``leaves``; ``record``: the
+        parts are the step's (its loss, its count), not a second pass's."""
+        params = dict(zip(self.names, leaves)) | fixed
+        inputs = x
+        if type(self.update).step_input is not ClientUpdate.step_input:
+            inputs = []
+            for j, (k, _, _) in enumerate(group):
+                with _Seeded(self.clients[k]):
+                    inputs.append(self.update.step_input(self.clients[k].local, x[j]))
+            inputs = torch.stack(inputs)
+        with forward_precision(self.schedule.precision, x.device):
+            if self.update.features:
+                logits, features = vmap(self._with_features)(params, inputs)
+            else:
+                logits, features = self.vmapped(params, inputs), None
+            offsets = self._offsets(logits.shape[-1])
+            if offsets is not None:
+                total = [self._offset_ce(group, index, offsets, logits, record)]
+            else:
+                total = self._terms(group, leaves, params, x, inputs, logits, features, record)
+        with backward_precision(x.device):
+            torch.stack(total).sum().backward()
+
+    def _again_at_ascent(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                         leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+        """``ClientUpdate.backward``'s second pass for the group, on ``leaves`` in place as the
+        sequential step does: each client's ε from its own gradients (``ascent``: its own norm),
+        the leaves moved to w + ε, their gradients taken again there, the leaves moved back by −ε."""
+        with torch.no_grad():
+            ascent = self.update.ascent([leaf.new_zeros(leaf.shape) if leaf.grad is None else leaf.grad
+                                         for leaf in leaves])
+            for leaf, e in zip(leaves, ascent):
+                leaf.add_(e)
+        for leaf in leaves:
+            leaf.grad = None
+        self._backward(group, index, leaves, fixed, x, record=False)
+        with torch.no_grad():
+            for leaf, e in zip(leaves, ascent):
+                leaf.sub_(e)
 
     def _offsets(self, num_classes: int) -> torch.Tensor | None:
         """Every participant's offset o_k (K×C, float64) when each one's step loss is the plain
@@ -387,14 +420,15 @@ class Cohort:
         a finite ``fedlc`` — else None: then the step's loss is computed for all of them at once."""
         if not hasattr(self, "offsets"):
             self.offsets, self.offsets_on = None, {}
-            if type(self.update).terms is ClientUpdate.terms and not self.update.features:
+            if type(self.update).terms is ClientUpdate.terms and not self.update.features and \
+                    type(self.update).step_input is ClientUpdate.step_input:
                 found = [offset_of(c.objective, num_classes) for c in self.clients]
                 if all(o is not None for o in found):
                     self.offsets = torch.stack(found)
         return self.offsets
 
     def _offset_ce(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
-                   offsets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                   offsets: torch.Tensor, logits: torch.Tensor, record: bool) -> torch.Tensor:
         """Σ_k CE(z_k + o_k, y_k) over the group as one cross-entropy over its G·B rows (each
         client's own mean), instead of G objective calls: a step's loss in a fixed handful of
         operators for any G. Each client's part is recorded as its objective's would be."""
@@ -406,17 +440,18 @@ class Cohort:
         y = torch.stack([y for _, _, y in group])
         rows = F.cross_entropy((z + o.unsqueeze(1)).flatten(0, 1), y.flatten(), reduction="none")
         losses = rows.view(len(group), -1).mean(1)
-        recorded = losses.detach()
-        for j, (k, _, _) in enumerate(group):
-            c = self.clients[k]
-            c.parts.setdefault(OBJECTIVE, []).append(recorded[j])
-            c.steps += 1
+        if record:
+            recorded = losses.detach()
+            for j, (k, _, _) in enumerate(group):
+                self.clients[k].parts.setdefault(OBJECTIVE, []).append(recorded[j])
+                self.clients[k].steps += 1
         return losses.sum()
 
     def _terms(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
-               params: dict[str, torch.Tensor], x: torch.Tensor, logits: torch.Tensor,
-               features: torch.Tensor | None) -> list[torch.Tensor]:
-        """Each client's step loss from the variant's ``terms`` on its slice of the batched forward."""
+               params: dict[str, torch.Tensor], x: torch.Tensor, inputs: torch.Tensor, logits: torch.Tensor,
+               features: torch.Tensor | None, record: bool) -> list[torch.Tensor]:
+        """Each client's step loss from the variant's ``terms`` on its slice of the batched forward
+        (on ``inputs``, the clients' ``step_input`` of their minibatches ``x``)."""
         ks = [k for k, _, _ in group]
         teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
         total = []
@@ -427,13 +462,14 @@ class Cohort:
                 extra["teacher_logits"] = teacher[j]
             if c.objective.needs_params:
                 extra["params"] = [leaf[j] for leaf in leaves]
-            forward = _ClientForward(self.model, self.prefixes, params, j, x[j], logits[j],
+            forward = _ClientForward(self.model, self.prefixes, params, j, inputs[j], logits[j],
                                      None if features is None else features[j])
             with _Seeded(c):
                 parts = self.update.terms(c.local, forward, c.objective, y, extra)
-            for name, value in parts.items():
-                c.parts.setdefault(name, []).append(value.detach())
-            c.steps += 1
+            if record:
+                for name, value in parts.items():
+                    c.parts.setdefault(name, []).append(value.detach())
+                c.steps += 1
             total.append(sum(parts.values()))
         return total
 
@@ -494,8 +530,7 @@ class Cohort:
             return
         present = [g for g in grads if g is not None]
         # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
-        coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
+        coef = torch.clamp(self.schedule.clip / (client_norms(present) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 

@@ -21,7 +21,7 @@ from fedlt.privacy.dpsgd import stateful_terms
 # a second model trained on the same batch); the others (``correct``, ``begin``, ``end``,
 # ``upload``, ``start``, ``frozen_keys``, ``generator``) act on the privatised gradient, the trained
 # weights or which of them train: post-processing
-DATA_HOOKS = ("__call__", "loop", "parts", "terms", "backward", "stepped")
+DATA_HOOKS = ("__call__", "loop", "step_input", "parts", "terms", "backward", "ascent", "stepped")
 
 
 def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:

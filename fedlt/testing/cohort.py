@@ -95,6 +95,30 @@ def _gap(a: Any, b: Any, path: str) -> tuple[float, str]:
     return (0.0 if a == b else float("inf")), path
 
 
+def _config(name: str, params: dict[str, Any] | None, tmp: Path, settings: dict[str, Any]) -> RunConfig:
+    return RunConfig(**(TINY | {"model": "mlp", "clients": 5, "participation": 1.0, "fused": "off"} | settings),
+                     algorithm=name, algorithm_params=dict(params or {}), out=tmp / "run")
+
+
+def sensitivity(algorithm: Any, params: dict[str, Any] | None = None, *, relative: float = 1e-7,
+                **settings: Any) -> float:
+    """How far the sequential path moves from itself: the largest relative gap (the contract's
+    measure) between the contract's two rounds by epochs and the same rounds from global weights
+    each multiplied by 1 + ``relative``·N(0, 1) (seeded), float32's rounding in size. An algorithm
+    above :data:`TOLERANCE` here cannot be held to the cohort's 1e-5 by any other order of float
+    sums, the cohort's included (FedDecorr's refusal, docs/gpu.md)."""
+    with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
+            tempfile.TemporaryDirectory(prefix="fedlt-sensitivity-") as tmp:
+        config = _config(name, params, Path(tmp), settings | SCHEDULES["by epochs"])
+        reference = _rounds(config, LocalRunner())
+        prep = prepare(config)
+        noise = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in prep.algorithm.global_model().parameters():
+                p.mul_(1 + relative * torch.randn(p.shape, generator=noise, dtype=torch.float64).to(p))
+        return largest_gap(two_rounds(prep, config, LocalRunner()), reference)[0]
+
+
 def check_cohort(algorithm: Any, params: dict[str, Any] | None = None, *, size: int = 3, float64: bool = False,
                  **settings: Any) -> None:
     """Check an algorithm (registered name or factory) trained in cohorts of ``size`` against the
@@ -104,10 +128,8 @@ def check_cohort(algorithm: Any, params: dict[str, Any] | None = None, *, size: 
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-cohort-") as tmp:
         c = Contract(f"algorithm {name!r}")
-        base = dict(TINY | {"model": "mlp", "clients": 5, "participation": 1.0, "fused": "off"} | settings,
-                    algorithm=name, algorithm_params=dict(params or {}), out=Path(tmp) / "run")
         for label, schedule in SCHEDULES.items():
-            config = RunConfig(**(base | schedule))
+            config = _config(name, params, Path(tmp), settings | schedule)
             with c.property("same as sequential", label):
                 sequential = _rounds(config, LocalRunner(), float64)
                 runner = CohortRunner(LocalRunner(), size)
