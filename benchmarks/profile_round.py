@@ -140,6 +140,7 @@ def instrument(timer: PhaseTimer) -> None:
         # --cohort: the batched step's parts (its backward is torch.Tensor.backward's, above)
         (cohort.Cohort, "_draw", "minibatch slicing"),
         (cohort.Cohort, "_forward", "forward + loss"),
+        (cohort.Cohort, "_offset_ce", "forward + loss"),  # the step's loss when each is an offset CE
         (fedavg_family.ClientUpdate, "terms", "forward + loss"),
         (cohort.Cohort, "_clip", "clip"),
         (cohort.Cohort, "_sgd", "optimiser"),

@@ -47,3 +47,20 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert sections["resnet18_cifar"]["seconds_per_round"] > 0
     written = {p.name for p in tmp_path.iterdir()}  # everything under --out's directory, nothing elsewhere
     assert {"check.json", "device_check_profile.json", "device_check_profile_pfllib.json"} <= written
+
+
+def test_the_profile_times_the_cohorts_batched_loss_as_forward_and_loss(monkeypatch):
+    """A cohort whose clients' losses are offset cross-entropies computes them in
+    ``Cohort._offset_ce``, outside ``_forward`` and ``terms``: untimed, its time went to "other Python"."""
+    from fedlt.algorithms import cohort
+    from fedlt.run import loop
+
+    spec = importlib.util.spec_from_file_location("profile_round", ROOT / "benchmarks" / "profile_round.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    phases = {}
+    monkeypatch.setattr(module.PhaseTimer, "wrap",  # record what would be timed; wrap nothing
+                        lambda self, owner, attr, phase, generator=False: phases.__setitem__((owner, attr), phase))
+    monkeypatch.setattr(loop, "io", loop.io)  # instrument replaces it: restored after the test
+    module.instrument(module.PhaseTimer())
+    assert phases[(cohort.Cohort, "_forward")] == phases[(cohort.Cohort, "_offset_ce")] == "forward + loss"
