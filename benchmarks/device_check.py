@@ -6,6 +6,8 @@ on one H100, written to ``benchmarks/results/device_check.json`` after every sec
 Sections (each timed, each with its peak GPU memory; one that raises is recorded and the next runs):
 
 1. ``doctor``: versions, the device, each fused kernel's check (``fedlt doctor``'s rows);
+   ``overheads``: ``benchmarks/launch_overhead.py`` — µs per torch launch, per Triton launch and per
+   loss call (fused and eager, 10×10 and 4096×1000), issued and on the device;
 2. ``kernels``: every Triton kernel against the float64 reference, value and gradient, float32
    and bfloat16, at several shapes (``fedlt.losses.fused.check``'s probes);
 3. ``fused_vs_eager``: forward+backward ms of the fused objective kernels against the eager
@@ -18,8 +20,8 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
    ``first_round_s``), the CPU;
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
-8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task and of
-   SCALA s2 by phase (forward, backward, optimiser, clip, slicing, host syncs, evaluation,
+8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task (one
+   client after another, and ``--cohort 10``) and of SCALA s2 by phase (forward, backward, optimiser, clip, slicing, host syncs, evaluation,
    aggregation, checkpoint) and torch.profiler's operators; its tables go beside the JSON;
 9. ``resnet18_cifar``: a CIFAR-10-shaped round of ResNet-18 (``resnet18_cifar``), 100 clients at
    10 %, one local epoch of batch 32, on synthetic data of CIFAR's shape (nothing is downloaded),
@@ -53,13 +55,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 HBM_BYTES_PER_S = 3.35e12
 FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 
-FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (65536, 1000)],
+FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (16384, 1000), (65536, 1000)],
             reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
             scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True)
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
            pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
            bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1),
            compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
+# an algorithm whose defaults need more data than TINY_RUN's 600 images (FEDIC holds 100 a class out)
+SMALL_PARAMS = {"fedic": {"proxy_per_class": 5}}
 TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
                 server_batch=12, partition={"name": "dirichlet", "beta": 0.5, "min_size": 5})
 
@@ -133,7 +137,44 @@ def fused_vs_eager(device, sizes) -> dict:
             rows.append({"B": B, "C": C, "dtype": str(dtype).removeprefix("torch."), "fused_ms": fused_ms,
                          "eager_ms": eager_ms, "speedup": eager_ms / fused_ms,
                          "traffic_floor_ms (H100, logit_adjust+fedvls)": floor_ms})
-    return {"rows": rows, "note": "the 'objective' probes: logit_adjust, fedvls and logit_suppression(paper)"}
+    return {"rows": rows, "note": "the 'objective' probes: logit_adjust, fedvls and logit_suppression(paper)",
+            "per_probe": _per_probe(device, sizes)}
+
+
+def _per_probe(device, sizes) -> list[dict]:
+    """Each probe apart (float32): the sizes from which ``auto`` runs the kernels on CUDA
+    (``CUDA_AUTO_RULES``) are read from these rows."""
+    import torch
+
+    from fedlt.losses.fused import check
+
+    impl = check.triton_backend()
+    if impl is None:
+        return []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def ms(call) -> float:
+        call()
+        sync()
+        began = time.perf_counter()
+        for _ in range(sizes["reps"]):
+            call()
+        sync()
+        return (time.perf_counter() - began) / sizes["reps"] * 1e3
+
+    rows = []
+    for B, C in sizes["fused_sizes"]:
+        probes = [*check._objective_probes(impl, device, torch.float32, (B, C)),
+                  *check._pair_probes(impl, device, torch.float32, (B, C))]
+        for expr, fused, reference, z in probes:
+            fused_ms, eager_ms = ms(lambda: check._grad(fused, z)), ms(lambda: check._grad(reference, z))
+            rows.append({"probe": expr, "B": B, "C": C, "fused_ms": fused_ms, "eager_ms": eager_ms,
+                         "speedup": eager_ms / fused_ms})
+        for label, fused, reference in check._sgb_runs(impl, device, torch.float32, (B, C), torch.float32):
+            fused_ms, eager_ms = ms(fused), ms(reference)
+            rows.append({"probe": label, "B": B, "C": C, "fused_ms": fused_ms, "eager_ms": eager_ms,
+                         "speedup": eager_ms / fused_ms})
+    return rows
 
 
 def _run(out: Path, **settings) -> tuple[dict, list[dict]]:
@@ -152,10 +193,10 @@ def algorithms(device, sizes, tmp: Path) -> dict:
 
     rows = []
     for name in sizes["algorithms"] or fedlt.algorithms.REGISTRY.list():
-        base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1)
-        base["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
-        row: dict = {"algorithm": name, "model": base["model"]}
+        base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1, algorithm_params=SMALL_PARAMS.get(name, {}))
+        row: dict = {"algorithm": name}
         try:  # one algorithm's failure is its row's, and the others still run
+            base["model"] = row["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
             for label, where in (("device", str(device)), ("cpu", "cpu")):
                 began = time.perf_counter()
                 final = _run(tmp / f"{name}-{label}", **base, device=where)[0]["final"]
@@ -241,7 +282,7 @@ def profile(device, sizes, out_dir: Path) -> dict:
     spec = importlib.util.spec_from_file_location("profile_round", Path(__file__).with_name("profile_round.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    found = module.profile("both", str(device), None, sizes is DRY, out_dir, name="device_check_profile")
+    found = module.profile("all", str(device), None, sizes is DRY, out_dir, name="device_check_profile")
     return {"threads": found["threads"], "tasks": {name: {k: v for k, v in task.items() if k != "settings"}
                                                    for name, task in found["tasks"].items()}}
 
@@ -308,7 +349,19 @@ def resnet18_cifar(device, sizes, tmp: Path) -> dict:
             "accuracy": summary["final"]["accuracy"]} | utilisation.summary()
 
 
-SECTIONS = {"doctor": doctor, "kernels": kernels, "fused_vs_eager": fused_vs_eager, "algorithms": algorithms,
+def overheads(device, sizes) -> dict:
+    """``benchmarks/launch_overhead.py``: µs per torch and Triton launch and per loss call, issued
+    and on the device, with the operators of the 4096×1000 calls."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_overhead", Path(__file__).with_name("launch_overhead.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.measure(device, calls=20 if sizes is DRY else 200)
+
+
+SECTIONS = {"doctor": doctor, "overheads": overheads, "kernels": kernels, "fused_vs_eager": fused_vs_eager,
+            "algorithms": algorithms,
             "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16,
             "profile": profile, "resnet18_cifar": resnet18_cifar}
 

@@ -115,7 +115,7 @@ def instrument(timer: PhaseTimer) -> None:
     import torch
 
     import fedlt.io
-    from fedlt.algorithms import base, fedavg_family, split, split_client, split_server
+    from fedlt.algorithms import base, cohort, fedavg_family, split, split_client, split_server
     from fedlt.run import evaluation, loop, resume
 
     for owner, attr, phase in [
@@ -137,6 +137,13 @@ def instrument(timer: PhaseTimer) -> None:
         (evaluation, "scores_of", "evaluation (global test pass)"),
         (evaluation.ClientEvaluation, "__call__", "evaluation (per client)"),
         (resume.Checkpoints, "save", "checkpoint"),
+        # --cohort: the batched step's parts (its backward is torch.Tensor.backward's, above)
+        (cohort.Cohort, "_draw", "minibatch slicing"),
+        (cohort.Cohort, "_forward", "forward + loss"),
+        (cohort.Cohort, "_offset_ce", "forward + loss"),  # the step's loss when each is an offset CE
+        (fedavg_family.ClientUpdate, "terms", "forward + loss"),
+        (cohort.Cohort, "_clip", "clip"),
+        (cohort.Cohort, "_sgd", "optimiser"),
     ]:
         timer.wrap(owner, attr, phase)
     timer.wrap(base.ClientData, "batches", "minibatch slicing", generator=True)
@@ -218,7 +225,8 @@ def operator_summary(prof: Any, phases: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=["pfllib", "scala", "both"], default="both")
+    parser.add_argument("--task", choices=["pfllib", "pfllib_cohort", "scala", "both", "all"], default="both",
+                        help="both: pfllib and scala; all: also pfllib_cohort (PFLlib's task with --cohort 10)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="tiny sizes (a check that the script works)")
@@ -287,10 +295,13 @@ def profile(task: str, device: str, threads: int | None, small: bool, out: Path,
         torch.set_num_threads(threads)
     timer = PhaseTimer()
     instrument(timer)
-    tasks = {"pfllib": dict(PFLLIB, **(SMALL if small else {})), "scala": dict(SCALA, **(SMALL_SCALA if small else {}))}
+    pfllib = dict(PFLLIB, **(SMALL if small else {}))
+    tasks = {"pfllib": pfllib, "scala": dict(SCALA, **(SMALL_SCALA if small else {})),
+             "pfllib_cohort": dict(pfllib, cohort=10)}
+    chosen = {"both": ["pfllib", "scala"], "all": ["pfllib", "pfllib_cohort", "scala"]}.get(task, [task])
     result: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "tasks": {}}
     with tempfile.TemporaryDirectory(prefix="fedlt-profile-") as tmp:
-        for label in ([task] if task != "both" else list(tasks)):
+        for label in chosen:
             result["tasks"][label] = found = profile_task(label, tasks[label], device, timer, Path(tmp))
             rows = [[r["phase"], r["share_cpu"], r["cpu_s"], r["wall_s"], r["calls"] if r["calls"] is not None else ""]
                     for r in found["phases"]]

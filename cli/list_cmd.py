@@ -53,26 +53,24 @@ def show_component(kind: str, name: str) -> None:
 
 def show_authors_settings(console: Console, name: str) -> None:
     """An algorithm's authors' training settings beside fedlt's defaults, each with its source."""
-    from fedlt.algorithms.authors import _same, _show, authors_settings, lookup
+    from fedlt.algorithms.authors import _same, _show, algorithm_default, authors_settings, lookup, why_none
     from fedlt.config import RunConfig
 
     settings = authors_settings(name)
     if settings is None:
-        console.print(f"authors' settings: none declared (--preset authors does not apply to {name})", highlight=False)
+        console.print(Text(f"authors' settings: {why_none(name)} (--preset authors does not apply to {name})"),
+                      soft_wrap=True)
         return
-    import fedlt.algorithms
-
     defaults = RunConfig.model_construct().model_dump(mode="json")
-    algorithm = fedlt.algorithms.create(name)
     table = Table("setting", "fedlt default", "authors'", "", "source", title=f"the authors' settings "
                   f"(--preset authors): {settings.code}", title_justify="left")
     for s in settings.settings:
         if s.key.startswith("algorithm_params."):
-            ours = getattr(algorithm, s.key.split(".", 1)[1], None)
+            ours = algorithm_default(name, s.key.split(".", 1)[1])
         else:
             ours = lookup(defaults, s.key)[1]
         table.add_row(*map(escape, (s.key, _show(ours), _show(s.value), "" if _same(ours, s.value) else "differs",
-                                    s.source.split(":", 1)[1] if ":" in s.source else s.source)))
+                                    s.source.removeprefix(settings.code + ":"))))
     console.print(table)
     if settings.note:
         console.print(Text(f"note: {settings.note}"), soft_wrap=True)

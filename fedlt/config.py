@@ -30,7 +30,7 @@ import fedlt.privacy
 import fedlt.transforms
 from fedlt import safe_yaml
 from fedlt.algorithms import compatibility
-from fedlt.algorithms.authors import AUTHORS, authors_settings, fill
+from fedlt.algorithms.authors import AUTHORS, authors_settings, fill, why_none
 from fedlt.algorithms.personal import MODES as EVAL_MODES, eval_mode_of
 from fedlt.bounds import MAX_ROUNDS  # noqa: F401  (one bound, shared with the algorithms' round counts)
 from fedlt.errors import FedltError, describe
@@ -374,8 +374,8 @@ class RunConfig(Strict):
         algorithm = data.get("algorithm", cls.model_fields["algorithm"].default)
         settings = authors_settings(algorithm) if isinstance(algorithm, str) else None
         if settings is None:
-            raise ValueError(f"preset: {algorithm!r} declares no authors' settings (those that do: "
-                             f"{', '.join(sorted(AUTHORS))})")
+            raise ValueError(f"preset: {algorithm!r} has no authors' settings: {why_none(algorithm)} (those that "
+                             f"have: {', '.join(sorted(AUTHORS))})")
         filled, chosen = fill(data, settings)
         if "preset_settings" not in data:
             filled["preset_settings"] = chosen

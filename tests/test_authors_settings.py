@@ -15,6 +15,8 @@ from fedlt.cli import main
 from fedlt.config import RunConfig
 
 SOURCE = re.compile(r"^github\.com/[\w.-]+/[\w.-]+@[0-9a-f]{40}:[\w./-]+:\d+$")
+# where the authors published no code: the paper and the place in it
+PAPER = re.compile(r"^paper: [^:]+:(§[\d.]+|App\. [A-Z], Algorithm \d+|Algorithm \d+)( [\w ]+)?$")
 
 
 @pytest.mark.parametrize("name", sorted(AUTHORS))
@@ -25,10 +27,13 @@ def test_every_declaration_names_a_registered_algorithm_and_applies(name):
     cfg = RunConfig.model_validate({"algorithm": name, "preset": "authors"})
     effective = cfg.model_dump(mode="json")
     for s in settings.settings:
-        assert SOURCE.match(s.source), s.source
+        assert (PAPER if settings.code.startswith("paper: ") else SOURCE).match(s.source), s.source
         assert lookup(effective, s.key) == (True, s.value), s.key
         assert cfg.preset_settings[s.key] == {"value": s.value, "source": s.source}
     assert differences(name, effective) == [] and differences_line(name, effective) is None
+    if settings.fedlt_defaults:  # SCALA's: fedlt's defaults are theirs, so no run is told otherwise
+        defaults = RunConfig(algorithm=name).model_dump(mode="json")
+        assert all(lookup(defaults, s.key) == (True, s.value) for s in settings.settings)
 
 
 def test_explicit_values_win_and_the_record_survives_a_reload():
@@ -47,14 +52,28 @@ def test_the_default_run_names_what_differs_from_the_authors():
     line = differences_line("fedetf", RunConfig(algorithm="fedetf").model_dump(mode="json"))
     assert line.count("\n") == 0 and "momentum" not in line  # fedlt's 0.9 is theirs
     assert "lr 0.01 (theirs 0.04)" in line and "clip 10 (theirs none)" in line and "--preset authors" in line
-    assert differences_line("fedsam", RunConfig(algorithm="fedsam").model_dump(mode="json")) is None  # none declared
+    assert differences_line("fedavg", RunConfig(algorithm="fedavg").model_dump(mode="json")) is None  # none declared
+    # a method constant the run leaves at fedlt's default is named too (MOON's mu: fedlt 1, their command 5)
+    assert "mu 1 (theirs 5)" in differences_line("moon", RunConfig(algorithm="moon").model_dump(mode="json"))
+
+
+def test_every_registered_algorithm_declares_its_authors_settings_or_says_why_not():
+    """Issue 41's Done-when (a preset for every algorithm whose authors published settings): a
+    built-in algorithm added without either fails here."""
+    from fedlt.algorithms.authors import WHY_NONE
+
+    built_in = [n for n in fedlt.algorithms.list() if fedlt.algorithms.REGISTRY.origin(n) == "built-in"]
+    assert len(built_in) >= 39
+    for name in built_in:
+        assert (name in AUTHORS) != (name in WHY_NONE), name
 
 
 def test_a_preset_for_an_algorithm_without_settings_is_refused(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        main(["run", "--algo", "fedsam", "--preset", "authors", "--out", str(tmp_path / "o")])
+        main(["run", "--algo", "splitfed_v1", "--preset", "authors", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "preset" in err and "fedgrab" in err
+    assert "trains with Adam" in err  # why: fedlt's run optimiser cannot express theirs
     assert not (tmp_path / "o").exists()
 
 

@@ -25,8 +25,8 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert time.process_time() - cpu < 40  # + the profile and ResNet-18 sections: ~8 s
     assert json.loads((tmp_path / "check.json").read_text())["sections"].keys() == result["sections"].keys()
     sections = result["sections"]
-    assert set(sections) == {"doctor", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist", "scala_s2", "bf16",
-                             "profile", "resnet18_cifar"}
+    assert set(sections) == {"doctor", "overheads", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist",
+                             "scala_s2", "bf16", "profile", "resnet18_cifar"}
     assert not [name for name, s in sections.items() if "error" in s]
     assert result["device"] == "cpu" and result["dry_run"]
     assert sections["kernels"]["all_passed"]  # the Triton kernels under the interpreter
@@ -37,10 +37,30 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
     assert "skipped" in timings["device --cohort 10 --compile"]  # inductor's compile: not in the suite's time
     assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
-    for task in ("pfllib", "scala"):  # the profile's phases add up to the round (the rest is "other Python")
+    assert {r["probe"] for r in sections["fused_vs_eager"]["per_probe"]} >= {"logit_adjust", "fedvls", "offset_ce_pair"}
+    assert all(r["fused_ms"] > 0 for r in sections["overheads"]["per_call"].values() if "fused_ms" in r)
+    assert sections["overheads"]["per_call"]["logit_adjust fwd+bwd 10x10 eager"]["wall_us"] > 0
+    for task in ("pfllib", "pfllib_cohort", "scala"):  # the phases add up to the round (the rest is "other Python")
         found = sections["profile"]["tasks"][task]
         assert sum(p["cpu_s"] for p in found["phases"]) == pytest.approx(found["round_cpu_s"])
         assert found["operators"]["python_ops"] > 0
     assert sections["resnet18_cifar"]["seconds_per_round"] > 0
     written = {p.name for p in tmp_path.iterdir()}  # everything under --out's directory, nothing elsewhere
     assert {"check.json", "device_check_profile.json", "device_check_profile_pfllib.json"} <= written
+
+
+def test_the_profile_times_the_cohorts_batched_loss_as_forward_and_loss(monkeypatch):
+    """A cohort whose clients' losses are offset cross-entropies computes them in
+    ``Cohort._offset_ce``, outside ``_forward`` and ``terms``: untimed, its time went to "other Python"."""
+    from fedlt.algorithms import cohort
+    from fedlt.run import loop
+
+    spec = importlib.util.spec_from_file_location("profile_round", ROOT / "benchmarks" / "profile_round.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    phases = {}
+    monkeypatch.setattr(module.PhaseTimer, "wrap",  # record what would be timed; wrap nothing
+                        lambda self, owner, attr, phase, generator=False: phases.__setitem__((owner, attr), phase))
+    monkeypatch.setattr(loop, "io", loop.io)  # instrument replaces it: restored after the test
+    module.instrument(module.PhaseTimer())
+    assert phases[(cohort.Cohort, "_forward")] == phases[(cohort.Cohort, "_offset_ce")] == "forward + loss"

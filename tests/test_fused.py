@@ -390,6 +390,32 @@ def test_auto_follows_the_measured_cpu_rules(monkeypatch):
     assert dispatch.family("OffsetCE+OffsetCE") == "ce" and dispatch.family("OffsetCE+Suppression") == "composite"
 
 
+
+class _CudaLogits:
+    """What ``dispatch.backend`` reads of CUDA logits (there is no GPU here): device and size."""
+
+    def __init__(self, B: int, C: int) -> None:
+        self.device, self.shape, self.ndim = torch.device("cuda"), (B, C), 2
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def test_auto_on_cuda_runs_the_reference_below_the_measured_sizes(monkeypatch):
+    """Under ``auto`` a CUDA loss below its family's CUDA_AUTO_RULES size never reaches Triton (nor
+    its trust check, which would launch kernels); ``on`` still asks for Triton; ``sgb``, measured
+    level or faster at every size, is not held back."""
+    asked = []
+    monkeypatch.setattr(dispatch, "triton_backend", lambda: asked.append(1) or None)
+    floor = dispatch.CUDA_AUTO_RULES["ce"]
+    for kind in ("OffsetCE", "ce", "OffsetCE+VacantKD+Suppression", "composite", "pair"):
+        assert dispatch.backend("auto", _CudaLogits(4096, 1000), kind) is None
+    assert asked == []
+    dispatch.backend("auto", _CudaLogits(floor // 1000 + 1, 1000), "OffsetCE")  # at the floor: Triton asked
+    dispatch.backend("on", _CudaLogits(10, 10), "OffsetCE")
+    dispatch.backend("auto", _CudaLogits(10, 10), "sgb")
+    assert len(asked) == 3
+
 def test_fused_value_without_gradient_and_input_errors_still_one_line():
     obj = L.build("fedvls", class_counts=[1.0, 0, 0, 2], fused="on")
     with torch.no_grad():

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import fedlt.algorithms  # the registry (this package: loaded before this module, whoever imports it first)
 from fedlt.errors import FedltError
 
 
@@ -32,6 +33,9 @@ class AuthorsSettings:
     code: str  # repository@commit
     settings: tuple[Setting, ...]
     note: str = ""
+    # fedlt's run defaults are these settings (SCALA's): a run's other values are its user's choice,
+    # not fedlt's, and no note names them
+    fedlt_defaults: bool = False
 
     def as_config(self) -> dict[str, Any]:
         """The settings as a nested RunConfig table (``{"optimiser": {"lr": ...}, ...}``)."""
@@ -47,19 +51,29 @@ class AuthorsSettings:
 
 AUTHORS: dict[str, AuthorsSettings] = {}
 PRESETS = ("authors",)
+# Why a built-in algorithm declares none (said by --preset authors and fedlt list algorithms NAME).
+WHY_NONE: dict[str, str] = {}
 
 
-def declare(algorithm: str, code: str, settings: dict[str, tuple[Any, str]], note: str = "") -> None:
+def declare(algorithm: str, code: str, settings: dict[str, tuple[Any, str]], note: str = "",
+            fedlt_defaults: bool = False) -> None:
     """Declare ``algorithm``'s authors' settings: ``{key: (value, "file:line")}``, each file of
-    ``code`` (``repository@commit``)."""
+    ``code`` (``repository@commit``; ``paper: <paper>`` where they published no code, each place
+    a section, table or algorithm of it). ``fedlt_defaults``: fedlt's run defaults are these."""
     if algorithm in AUTHORS:
         raise FedltError(f"the authors' settings of {algorithm!r} are declared twice")
     AUTHORS[algorithm] = AuthorsSettings(algorithm, code, tuple(Setting(k, v, f"{code}:{where}")
-                                                                for k, (v, where) in settings.items()), note)
+                                                                for k, (v, where) in settings.items()), note,
+                                         fedlt_defaults)
 
 
 def authors_settings(algorithm: str) -> AuthorsSettings | None:
     return AUTHORS.get(algorithm)
+
+
+def why_none(algorithm: str) -> str:
+    """Why ``algorithm`` declares no authors' settings, in a few words."""
+    return WHY_NONE.get(algorithm, "none declared")
 
 
 def lookup(config: dict[str, Any], key: str) -> tuple[bool, Any]:
@@ -96,14 +110,21 @@ def differences(algorithm: str, effective: dict[str, Any]) -> list[tuple[Setting
     """The authors' settings of ``algorithm`` that ``effective`` (a whole RunConfig as a table)
     does not follow: ``(their setting, the value used)`` each."""
     settings = AUTHORS.get(algorithm)
-    if settings is None:
+    if settings is None or settings.fedlt_defaults:
         return []
     out = []
     for s in settings.settings:
         present, value = lookup(effective, s.key)
+        if not present and s.key.startswith("algorithm_params."):  # a method constant left at its default
+            present, value = True, algorithm_default(algorithm, s.key.split(".", 1)[1])
         if present and not _same(value, s.value):
             out.append((s, value))
     return out
+
+
+def algorithm_default(algorithm: str, param: str) -> Any:
+    """The value of ``algorithm``'s parameter ``param`` when a run does not set it."""
+    return getattr(fedlt.algorithms.create(algorithm), param, None)
 
 
 def differences_line(algorithm: str, effective: dict[str, Any]) -> str | None:
@@ -311,4 +332,142 @@ declare("fedyoyo", FEDYOYO, {
     "local_epochs": (10, "main_fedyoyo.py:56"),
     "batch_size": (32, "main_fedyoyo.py:57"),
     "drop_last": (False, "main_fedyoyo.py:163"),
+})
+
+# -- the classic and stateful baselines (issue 41: every algorithm whose authors published settings) --
+
+FEDPROX = "github.com/litian96/FedProx@d2a4501f319f1594b732d88315c5ca1a72855f50"
+declare("fedprox", FEDPROX, {
+    "optimiser.lr": (0.01, "run_fedprox.sh:3"),
+    "optimiser.momentum": (0.0, "flearn/optimizer/pgd.py:34"),  # var -= lr·(grad + mu·(var − vstar)), nothing else
+    "optimiser.weight_decay": (0.0, "flearn/optimizer/pgd.py:34"),
+    "optimiser.clip": (None, "flearn/optimizer/pgd.py:34"),
+    "local_epochs": (20, "run_fedprox.sh:5"),
+    "batch_size": (10, "run_fedprox.sh:4"),
+    "drop_last": (False, "flearn/utils/model_utils.py:21"),
+}, note="mu is not set: their README says to tune it per data set, no value works for all (README.md:17; its "
+        "commands use 1, README.md:59); fedlt's stays 0.01 (--loss 'ce + fedprox(mu=1)' sets theirs). Their "
+        "epochs reshuffle with the same seed, 100, every time (flearn/utils/model_utils.py:14)")
+
+FEDDYN = "github.com/alpemreacar/FedDyn@48a19fac440ef079ce563da8e0c2896f8256fef9"
+declare("feddyn", FEDDYN, {  # example_cifar_10.py is their CIFAR-10 script
+    "optimiser.lr": (0.1, "example_cifar_10.py:45"),
+    "optimiser.momentum": (0.0, "utils_general.py:190"),  # SGD(params, lr, weight_decay) only
+    "optimiser.weight_decay": (1e-3, "example_cifar_10.py:40"),
+    "optimiser.clip": (10.0, "utils_general.py:8"),  # max_norm, the total norm (clip_grad_norm_, :224)
+    "local_epochs": (5, "example_cifar_10.py:44"),
+    "batch_size": (50, "example_cifar_10.py:41"),
+    "drop_last": (False, "utils_general.py:199"),  # ceil(n / batch) steps an epoch
+    "algorithm_params.alpha": (0.01, "example_cifar_10.py:65"),
+}, note="their α is divided by each client's share of the data relative to the mean (utils_methods.py:387, "
+        "weights of mean 1 at :297); fedlt's α is the same for every client")
+
+FEDNOVA = "github.com/JYWa/FedNova@47b4e096dfb19dc43c728896fff335a5befb645d"
+declare("fednova", FEDNOVA, {  # launch_exp.sh:14 is their FedNova command (VGG, CIFAR-10)
+    "optimiser.lr": (0.02, "launch_exp.sh:14"),
+    "optimiser.momentum": (0.9, "launch_exp.sh:14"),
+    "optimiser.weight_decay": (1e-4, "train_LocalSGD.py:179"),  # hard-coded
+    "optimiser.clip": (None, "train_LocalSGD.py:256"),  # backward, then step: no clipping
+    "local_epochs": (2, "launch_exp.sh:14"),
+    "batch_size": (32, "launch_exp.sh:14"),
+    "drop_last": (False, "util_v4.py:184"),
+}, note="their lr drops ×0.1 at half the rounds and ×0.01 at three quarters (train_LocalSGD.py:300-310); "
+        "fedlt keeps it constant")
+
+FEDEXP = "github.com/Divyansh03/FedExP@34b05a269e2cff24c54c0b159bde80fa915bbeff"
+declare("fedexp", FEDEXP, {  # their CIFAR-10 values (main.py:100-124)
+    "optimiser.lr": (0.01, "main.py:102"),
+    "optimiser.momentum": (0.0, "util_general.py:40"),
+    "optimiser.weight_decay": (1e-4, "main.py:98"),
+    "optimiser.clip": (10.0, "main.py:96"),  # use_gradient_clipping (main.py:97): the total norm (util_general.py:59)
+    "local_iters": (20, "main.py:77"),  # "cp": 20 local steps, whatever the client's size
+}, note="their 20 steps take batches of 50 (main.py:76), fedlt's iteration steps B_k ∝ |D_k| of --server-batch; "
+        "their lr decays ×0.998 a round and ε ×0.998² (main.py:307-308), fedlt keeps both (ε 1e-3 is theirs, "
+        "main.py:121); they report the mean of the last two iterates (main.py:419)")
+
+MOON = "github.com/QinbinLi/MOON@8fcba3c4efc9a47eb24687a91ba94cfb2005103f"
+declare("moon", MOON, {  # README.md:41-52 is their CIFAR-10 command
+    "optimiser.lr": (0.01, "README.md:44"),
+    "optimiser.momentum": (0.9, "main.py:268"),  # hard-coded
+    "optimiser.weight_decay": (1e-5, "main.py:34"),  # --reg
+    "optimiser.clip": (None, "main.py:318"),  # backward, then step: no clipping
+    "local_epochs": (10, "README.md:46"),
+    "batch_size": (64, "main.py:24"),
+    "drop_last": (True, "utils.py:347"),
+    "algorithm_params.mu": (5.0, "README.md:45"),  # main.py:42's default is 1
+    "algorithm_params.temperature": (0.5, "main.py:44"),
+}, note="their projection head (out_dim 256, main.py:43) between encoder and classifier is not added "
+        "(docs/algorithms.md)")
+
+FEDDECORR = "github.com/bytedance/FedDecorr@973e4af2d416e8dacda1fb19a328e440f9e815af"
+_DECORR_RUN = "run_scripts/cifar10_fedavg_feddecorr.sh"
+declare("feddecorr", FEDDECORR, {
+    "optimiser.lr": (0.01, f"{_DECORR_RUN}:13"),
+    "optimiser.momentum": (0.9, "main.py:73"),  # --rho
+    "optimiser.weight_decay": (1e-5, f"{_DECORR_RUN}:5"),
+    "optimiser.clip": (None, "approach/fedavg.py:153"),  # backward, then step: no clipping
+    "local_epochs": (10, f"{_DECORR_RUN}:15"),
+    "batch_size": (64, "main.py:69"),
+    "drop_last": (False, "dataset_utils.py:136"),
+    "algorithm_params.beta": (0.1, f"{_DECORR_RUN}:7"),
+})
+
+# Qu et al.'s FedSAM (ICML 2022, the paper fedsam's docstring cites) published no code: Caldarola et
+# al.'s FedSAM (ECCV 2022), the same local SAM step, with its CIFAR-10 command.
+FEDSAM = "github.com/debcaldarola/fedsam@64bbf9305a0bcf73138175018307254241c6ff42"
+declare("fedsam", FEDSAM, {
+    "optimiser.lr": (0.01, "paper_experiments/cifar10.sh:22"),
+    "optimiser.momentum": (0.0, "models/utils/args.py:94"),  # -momentum's default; the command sets none
+    "optimiser.weight_decay": (4e-4, "paper_experiments/cifar10.sh:22"),
+    "optimiser.clip": (None, "models/clients/minimizers.py:46"),  # descent_step: optimizer.step, no clipping
+    "local_epochs": (1, "paper_experiments/cifar10.sh:22"),
+    "batch_size": (64, "paper_experiments/cifar10.sh:22"),
+    "drop_last": (False, "models/clients/client.py:22"),
+    "algorithm_params.rho": (0.1, "paper_experiments/cifar10.sh:22"),
+}, note="Caldarola et al.'s FedSAM (ECCV 2022): Qu et al. (ICML 2022), whom fedsam cites, published no code")
+
+# -- from the papers alone: the authors published no code. A source is "paper: <paper>:<where>".
+
+SCALA_PAPER = "paper: Yang, Liu, SCALA"
+_SCALA_SETTINGS = {
+    "optimiser.lr": (0.01, "§5.1 Implementation details"),
+    "server_batch": (320, "§5.1 Implementation details"),
+    "local_iters": (5, "§5.1 Implementation details"),
+}
+declare("scala", SCALA_PAPER, _SCALA_SETTINGS, fedlt_defaults=True, note="fedlt's defaults; the paper states "
+        "no momentum, weight decay or clip: fedlt's (0.9, 5e-4, 10) come from the authors' code as SPEC §3 records "
+        "it, which is not public")
+declare("fedlogit", SCALA_PAPER, _SCALA_SETTINGS, fedlt_defaults=True, note="fedlt's defaults; FedLogit is SCALA's "
+        "baseline (§5.1 Baselines: FL with the client loss of eq. 15), run with the paper's settings")
+
+FEDLC_PAPER = "paper: Zhang et al., FedLC, ICML 2022"
+declare("fedlc", FEDLC_PAPER, {
+    "optimiser.lr": (0.01, "§5.2"),
+    "optimiser.momentum": (0.0, "App. A, Algorithm 1"),  # w ← w − η∇L
+    "optimiser.weight_decay": (0.0, "§5.2"),  # "without weight decay"
+    "optimiser.clip": (None, "App. A, Algorithm 1"),
+    "batch_size": (128, "§5.2"),
+}, note="the paper states neither its local epochs (Table 5 varies E over 1, 5, 10, 20; the batch of 128 "
+        "applies once --local-epochs is given) nor τ")
+
+SCAFFOLD_PAPER = "paper: Karimireddy et al., SCAFFOLD, ICML 2020"
+declare("scaffold", SCAFFOLD_PAPER, {
+    "optimiser.momentum": (0.0, "Algorithm 1"),  # y_i ← y_i − η_l(g_i(y_i) − c_i + c), nothing else
+    "optimiser.weight_decay": (0.0, "Algorithm 1"),
+    "optimiser.clip": (None, "Algorithm 1"),
+}, note="its experiments tune the local lr for each method and take batches of a fifth of the client's "
+        "data (5 steps an epoch): no lr or batch to take")
+
+# -- none: nothing published that fedlt's run settings can express ---------------------------------
+
+SPLITFED = "github.com/chandra2thapa/SplitFed-When-Federated-Learning-Meets-Split-Learning@45900d8faac8367dfaf409d2fede0f8a7fcc6040"
+WHY_NONE.update({
+    "fedavg": "McMahan et al. published no code, and the paper sweeps the lr, batch and epochs (no one setting)",
+    "local": "no published method: each client trains alone",
+    "splitfed_v1": f"its authors' code trains with Adam ({SPLITFED}:SFLV1_ResNet_HAM10000.py:266), and fedlt's run "
+                   "optimiser is SGD",
+    "splitfed_v2": f"its authors' code trains with Adam ({SPLITFED}:SFLV2_ResNet_HAM10000.py:256), and fedlt's run "
+                   "optimiser is SGD",
+    "splitfed_v3": "its authors published no code",
+    "sfl_localloss": "its authors published no code",
 })

@@ -177,7 +177,7 @@ def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: C
             augment: Any = None) -> torch.Tensor:
     """Adam steps of ``weight``·KL(teacher ‖ student) at temperature T on an unlabelled batch plus
     (1 − ``weight``)·CE on a labelled one, the student in train mode (its BatchNorm sees the
-    unlabelled batch, then the labelled one, as theirs)."""
+    unlabelled batch, then the labelled one, as theirs), and in eval mode after."""
     student.train()
     losses = []
     for u_idx, l_idx in batches:
@@ -196,6 +196,7 @@ def distill(student: nn.Module, optimiser: torch.optim.Optimizer, calibration: C
         loss.backward()
         optimiser.step()
         losses.append(loss.detach())
+    student.eval()  # as finetune leaves its model: the global model is next read for evaluation
     return torch.stack(losses) if losses else torch.zeros(0)
 
 

@@ -102,7 +102,8 @@ class ETFNet(nn.Module):
 class Authors:
     """Their nodes (one per client, kept across rounds) and their server's aggregation."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns, self.mode = load(git_dir), mode

@@ -91,7 +91,8 @@ class Logger:
 class Authors:
     """Their ``train_net`` per participant from the global weights, and their aggregation."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         cuda_as_cpu()

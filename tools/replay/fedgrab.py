@@ -111,7 +111,8 @@ def sgb_state(loss) -> dict[str, torch.Tensor]:
 class Authors:
     """Their side of the run: a PIDLOSS per client, the global model, their round."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         num_clients, num_classes, epochs = config.clients, initial[-1].out_features, config.local_epochs
         lr, momentum = config.optimiser.lr, config.optimiser.momentum
         if mode not in MODES:

@@ -95,7 +95,8 @@ def load(git_dir: str) -> dict[str, Any]:
 class Authors:
     """Their server state (the global weights, f_G) and a fresh ``Local`` per participant and round."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns = load(git_dir)

@@ -67,7 +67,8 @@ class Loader:
 class Authors:
     """Their server state (``server_model_state_dict``) and a client stand-in per participant and round."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         from authors_code import load

@@ -48,7 +48,6 @@ from fedlt_side import EpochLoader, cuda_as_cpu, default_dtype
 from fednpc import COMMIT, REPO, SynModel
 
 MODES = ("matched",)
-SETTINGS: dict[str, Any] = {}  # none of its own; its presence hands the adapter fedlt's side (the test set)
 
 WHERE = {
     "weights": ("fedlt/algorithms/fedavg_family.py (the FedAvg family's client loop)",
@@ -86,7 +85,8 @@ class Authors:
     """Their ``Global`` (one for stage 1, a fresh one for stage 2 as their main builds it, :295) and
     a ``Local`` per participant and round."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, side: Any = None) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.config, self.initial, self.loader = config, initial, None

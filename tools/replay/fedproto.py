@@ -71,7 +71,8 @@ class TheirInterface(nn.Module):
 class Authors:
     """Their clients' own models (kept across rounds) and their server's prototypes."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         ns: dict[str, Any] = {"torch": torch, "nn": nn, "copy": copy, "np": np}

@@ -82,7 +82,8 @@ class CountThenEpochs(EpochLoader):
 class Authors:
     """Their clients (all built up front, kept across rounds) and their server."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns: dict[str, Any] = {"torch": torch, "nn": nn, "np": np, "F": F, "copy": copy, "time": time,

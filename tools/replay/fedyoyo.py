@@ -135,7 +135,8 @@ class StrongViews:
 class Authors:
     """Their ``Local`` per participant and phase, their server's prior and FedAvg."""
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         cuda_as_cpu()

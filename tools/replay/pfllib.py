@@ -160,7 +160,8 @@ class PFLlib:
     WHERE: dict[str, tuple[str, str]] = {}
     REASONS: dict[str, dict[str, str]] = {}
 
-    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0) -> None:
+    def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
+                 side: Any = None) -> None:
         if mode not in MODES:
             raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.config, self.feed, self.metrics = mode, config, Feed(mode), Metrics()
@@ -170,6 +171,8 @@ class PFLlib:
         self.round = 0
         self.sent = False
         self.trained: set[int] = set()
+        self.side = side
+        self.server = self.build_server(side)
 
     def load(self, git_dir: str) -> dict[str, Any]:
         ns: dict[str, Any] = {"torch": torch, "nn": nn, "np": np, "F": F, "copy": copy, "os": os, "time": time,
@@ -196,9 +199,9 @@ class PFLlib:
                     learning_rate_decay=False, learning_rate_decay_gamma=0.99, plocal_epochs=1,
                     fine_tuning_epochs=10, fine_tuning_epoch_new=0, mu=0.0, alpha=1.0)
 
-    def attach(self, side: Any) -> None:
-        """Their server and all its clients, built as ``Server.__init__`` and ``set_clients`` do."""
-        self.side = side
+    def build_server(self, side: Any) -> Any:
+        """Their server and all its clients, built up front as ``Server.__init__`` and ``set_clients``
+        do, on the clients' data of fedlt's side."""
         args = SimpleNamespace(**self.params())
         clients = []
         for cid in range(self.config.clients):
@@ -213,7 +216,7 @@ class PFLlib:
                                learning_rate=args.local_learning_rate, client_drop_rate=0.0, time_threthold=10000,
                                current_num_join_clients=0, new_clients=[], fine_tuning_epoch_new=0,
                                num_new_clients=0, eval_new_clients=False)
-        self.server = server
+        return server
 
     def initial_global(self) -> nn.Module:
         """The server's global model before round 1 (serverbase.py:23: a copy of the model)."""

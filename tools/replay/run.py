@@ -127,11 +127,9 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
                                                                **getattr(adapter, "CONFIG", {})})
     side = FedltSide(config, dtype)
     initial = side.prep.algorithm.global_model()
-    # FEDIC's adapter reads the server's proxy set from fedlt's side as it is built
-    authors = adapter.Authors(args.git, args.mode, initial, config, **({"side": side} if hasattr(adapter, "SETTINGS")
-                                                                       else {}))
-    if hasattr(authors, "attach"):  # PFLlib's server builds every client up front
-        authors.attach(side)
+    # every adapter gets fedlt's side as it is built; some read it there (FEDIC's proxy set, CReFF's
+    # and FedNPC's server step, PFLlib's server building every client up front), the others ignore it
+    authors = adapter.Authors(args.git, args.mode, initial, config, side=side)
     tol = TOLERANCE[args.dtype]
     rows, first, record_rounds = [], None, []
     for rec in side.rounds():

@@ -3,7 +3,8 @@
 - ``off``: the reference (eager, term by term; the ground truth).
 - ``on``: Triton kernels for CUDA tensors (when triton imports), the analytic torch path of
   :mod:`.cpu` for every other tensor.
-- ``auto``: Triton on CUDA, each kernel once it passed its check on the device (:mod:`.trust`:
+- ``auto``: Triton on CUDA from the sizes where the device check measured it faster
+  (``CUDA_AUTO_RULES``), each kernel once it passed its check on the device (:mod:`.trust`:
   value and gradient against the reference on a probe batch; a failure warns once and the
   reference runs); on the CPU the fused path only where ``benchmarks/fused_loss.py``
   measured it faster than the reference (``CPU_AUTO_RULES``); the reference elsewhere.
@@ -39,6 +40,19 @@ CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "composite": (100, 300_000),  # anything with vacant_kd or logit_suppression (fedvls)
     "pair": (100, 300_000),  # SCALA's offset_ce_pair, against its eager pair (a few ops for any K)
     "sgb": (10, 10_000),
+}
+
+# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. The
+# device check (fused_vs_eager's per_probe rows, an H200, 2026-11-28; docs/fused.md) timed each
+# probe's forward+backward at 4096, 16384 and 65536 × 1000: both paths are bound by the host there
+# (~10 µs an operator issued, ~14 µs a Triton launch; benchmarks/launch_overhead.py) and the reference
+# issues fewer operators for plain CE — logit_adjust 0.33×, 0.30×, 0.67× — and SCALA's pair (0.63×,
+# 0.63×, 0.83×): never faster, so reference up to 2^27; the composites (fedvls 1.06×, 1.05×, 1.77×;
+# logit_suppression 0.72×, 0.71×, 1.46×) from 65536×1000. sgb (1.0–6.9× at every size) is not held back.
+CUDA_AUTO_RULES: dict[str, int] = {
+    "ce": 2**27,
+    "composite": 65536 * 1000,
+    "pair": 2**27,
 }
 
 
@@ -93,6 +107,9 @@ def backend(mode: str, logits: torch.Tensor, kind: str) -> ModuleType | None:
     if mode == "off":
         return None
     if logits.device.type in TRITON_DEVICES:
+        floor = CUDA_AUTO_RULES.get(kind) or CUDA_AUTO_RULES.get(family(kind))
+        if mode == "auto" and logits.device.type == "cuda" and floor is not None and logits.numel() < floor:
+            return None
         triton = triton_backend()
         if triton is not None and (mode == "on" or trust.trusted(kind, logits, triton)):
             return triton
