@@ -47,7 +47,7 @@ def test_what_is_left_eager_says_why():
     assert compile_reason(fedlt.algorithms.create("fedavg")) is None
     assert compile_reason(fedlt.algorithms.create("scaffold")) is None  # its correct hook runs after the backward
     assert "overrides ClientUpdate.terms" in compile_reason(fedlt.algorithms.create("moon"))
-    assert "overrides ClientUpdate.backward" in compile_reason(fedlt.algorithms.create("fedsam"))
+    assert "overrides ClientUpdate.ascent" in compile_reason(fedlt.algorithms.create("fedsam"))  # a two-pass step
     assert "split learning" in compile_reason(fedlt.algorithms.create("scala"))
     fedavg = fedlt.algorithms.create("fedavg")  # what a run with --compile starts by saying
     assert "measured slower than eager" in compile_notice(fedavg, torch.device("cpu"))

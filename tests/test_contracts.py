@@ -23,6 +23,7 @@ import fedlt.partitioners
 import cheap
 import fake_dataset_files
 from fedlt.algorithms.fedavg_family import FedAvgFamily
+from fedlt.errors import FedltError
 from fedlt.losses import LossTerm
 from fedlt.models.splitting import SPLITTERS
 from fedlt.partitioners import Partition, Partitioner
@@ -61,6 +62,15 @@ def test_every_partitioner_passes_its_contract(name):
 @pytest.mark.parametrize("name", fedlt.models.list())
 def test_every_model_passes_its_contract(name):
     check_model(name, in_chans=1, image_size=28)
+
+
+def test_resnet8_takes_creffs_scaling():
+    """Stages of 16, 32 and 64 times ``scaling`` channels (theirs, 4, by default); a bad value is one line."""
+    assert fedlt.models.build("resnet8(scaling=1)", in_chans=1, num_classes=10, image_size=28).classifier.in_features == 64
+    assert fedlt.models.build("resnet8", in_chans=1, num_classes=10, image_size=28).classifier.in_features == 256
+    for bad in ("0", "True", "1.5"):
+        with pytest.raises(FedltError, match=r"^model 'resnet8': scaling must be an integer in \[1, 64\], got"):
+            fedlt.models.build(f"resnet8(scaling={bad})", in_chans=1, num_classes=10, image_size=28)
 
 
 @pytest.mark.parametrize("name", SPLITTERS.list())

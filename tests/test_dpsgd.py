@@ -228,6 +228,8 @@ def test_what_cannot_take_per_sample_gradients_is_refused(tmp_path):
         fedlt.algorithms.create("fedavg"), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     assert sample_level_reason(fedlt.algorithms.create("fedvls"), _mlp()) is None
     assert "MoonUpdate overrides ClientUpdate.terms" in sample_level_reason(fedlt.algorithms.create("moon"), _mlp())
+    # SAM's two-pass step (its ascent hook): DP-SGD's private step would silently drop it
+    assert "SamUpdate overrides ClientUpdate.ascent" in sample_level_reason(fedlt.algorithms.create("fedsam"), _mlp())
     with pytest.raises(FedltError, match="'fedgrab': its loss 'fedgrab' has term.* keeping state"):
         prepare(RunConfig(**(BASE | {"algorithm": "fedgrab"}), rounds=1, out=tmp_path / "sgb"))
 

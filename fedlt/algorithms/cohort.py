@@ -42,21 +42,37 @@ import fedlt.augment
 from fedlt.algorithms import compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
-from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, Federated, PhasedUpdate, _PLAIN, check_parts,
-                                            client_update, features_of, frozen, step_reason, trainable_names)
+from fedlt.algorithms.fedavg_family import (OBJECTIVE, AroundUpdate, ClientUpdate, Federated, PhasedUpdate, _PLAIN,
+                                            check_parts, client_norms, client_update, features_of, frozen,
+                                            step_reason, trainable_names)
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
 from fedlt.models import eval_mode
 
 def client_variant(algorithm: Any) -> ClientUpdate | None:
-    """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``); None
-    when its client work is something else."""
-    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
-    fn = getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
+    """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``), inside
+    the updates run around it (:func:`around`); None when its client work is something else."""
+    fn = _given(algorithm)
+    while isinstance(fn, AroundUpdate):
+        fn = fn.update
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
+
+
+def _given(algorithm: Any) -> Any:
+    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    return getattr(fn, "given_module", fn)  # a wrapper that only builds the module when none is given (a head's)
+
+
+def around(algorithm: Any) -> list[AroundUpdate]:
+    """The updates run around the algorithm's client loop, outermost first (FedReLa's relabelling)."""
+    out, fn = [], _given(algorithm)
+    while isinstance(fn, AroundUpdate):
+        out.append(fn)
+        fn = fn.update
+    return out
 
 
 # timm's attributes of randomness drawn in forward through torch.nn.functional, not a Dropout module
@@ -87,10 +103,15 @@ def _probe(model: nn.Module, sample: torch.Tensor) -> str | None:
         return _PROBED[model]
     reason = None
     mode = model.training
+    # the buffers batched over one client, so BatchNorm's in-place update of its running statistics
+    # is one of a batched tensor (vmap refuses it on the module's own), on a copy; two copies of
+    # the sample, so a BatchNorm1d has more than one value per channel
+    buffers = {n: b.unsqueeze(0).clone() for n, b in model.named_buffers()}
+    x = sample[:1].expand(2, *sample.shape[1:]).unsqueeze(0)
     try:
         model.train()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            vmap(lambda x: model(x.unsqueeze(0)), randomness="error")(sample[:1])
+            vmap(lambda b, xs: functional_call(model, b, (xs,)), randomness="error")(buffers, x)
     except RuntimeError as exc:
         if "random" in str(exc):
             reason = "the model's forward calls a random operation (e.g. F.dropout), which vmap cannot give each " \
@@ -118,10 +139,29 @@ def cohort_reason(algorithm: Any, model: nn.Module, sample: torch.Tensor | None 
     reason = next((r for r in map(_loop_reason, loops) if r), None)
     if reason:
         return reason
+    return _norm_reason(model) or _random_module(model) or (_probe(model, sample) if sample is not None else None)
+
+
+def _norm_reason(model: nn.Module) -> str | None:
+    """Why the model's BatchNorm cannot keep per-client running statistics as stacked buffers: a
+    cumulative average (``momentum=None``) reads ``num_batches_tracked`` as a Python number."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            return f"the model has {type(m).__name__} (running statistics updated in place per client)"
-    return _random_module(model) or (_probe(model, sample) if sample is not None else None)
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats \
+                and m.momentum is None:
+            return (f"the model's {type(m).__name__} has momentum=None (a cumulative average that reads "
+                    "num_batches_tracked on the host, once per client)")
+    return None
+
+
+def running_names(model: nn.Module) -> list[str]:
+    """The buffers a training-mode forward updates in place: the running statistics (running_mean,
+    running_var, num_batches_tracked) of a BatchNorm, or of an InstanceNorm that tracks them, by
+    state-dict name."""
+    names = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            names += [f"{prefix}.{n}" if prefix else n for n, b in m.named_buffers(recurse=False) if b is not None]
+    return names
 
 
 def _loop_reason(update: ClientUpdate) -> str | None:
@@ -267,12 +307,17 @@ class Cohort:
         self.prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
         self.clients = [_open(self.update, t, model, self.names, r) for t, r in zip(self.tasks, self.rng)]
         self.schedule = self.tasks[0].schedule
-        trainable = set(self.names)
-        # frozen parameters and buffers: the same for every step, stacked once (a non-persistent
-        # buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
+        # BatchNorm's running statistics: each client's own, stacked; a step passes its group's
+        # rows to the vmapped forward, whose in-place updates (one per client, on that client's
+        # batch statistics) are written back after the step's terms
+        self.running = {n: torch.stack([t.weights[n] for t in self.tasks])
+                        for n in running_names(model) if n in self.tasks[0].weights}
+        moving = set(self.names) | set(self.running)
+        # frozen parameters and the other buffers: the same for every step, stacked once (a
+        # non-persistent buffer, outside the state dict, is the module's own for every client: FedETF's ETF)
         self.fixed = {n: torch.stack([t.weights[n] for t in self.tasks])
                       for n, _ in [*model.named_parameters(), *model.named_buffers()]
-                      if n not in trainable and n in self.tasks[0].weights}
+                      if n not in moving and n in self.tasks[0].weights}
         self.weights = [torch.stack([t.weights[n].detach() for t in self.tasks]) for n in self.names]
         self.momentum = [torch.zeros_like(w) for w in self.weights] if self.schedule.momentum else []
         # per parameter, the clients whose momentum buffer has started (torch starts it at the first
@@ -307,29 +352,67 @@ class Cohort:
         index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
         if len(ks) == len(self.clients):  # every client steps: the stacks themselves, no gather and scatter
             leaves = [w.detach().requires_grad_(True) for w in self.weights]
-            params = dict(zip(self.names, leaves)) | self.fixed
+            running = self.running  # BatchNorm updates its statistics in the stacks themselves
+            fixed = self.fixed | running
         else:
             leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-            params = dict(zip(self.names, leaves)) | {n: t.index_select(0, index) for n, t in self.fixed.items()}
+            running = {n: t.index_select(0, index) for n, t in self.running.items()}
+            fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
         x = torch.stack([x for _, x, _ in group])
-        device = x.device
-        with forward_precision(self.schedule.precision, device):
-            if self.update.features:
-                logits, features = vmap(self._with_features)(params, x)
-            else:
-                logits, features = self.vmapped(params, x), None
-            offsets = self._offsets(logits.shape[-1])
-            if offsets is not None:
-                total = [self._offset_ce(group, index, offsets, logits)]
-            else:
-                total = self._terms(group, leaves, params, x, logits, features)
-        with backward_precision(device):
-            torch.stack(total).sum().backward()
+        self._backward(group, index, leaves, fixed, x, record=True)
+        if type(self.update).ascent is not ClientUpdate.ascent:  # a second forward: the statistics move again
+            self._again_at_ascent(group, index, leaves, fixed, x)
+        if running is not self.running:  # a part of the clients stepped: their statistics' rows written back
+            for name, rows in running.items():
+                self.running[name].index_copy_(0, index, rows)
         grads = self._corrected(ks, leaves)
         self._clip(grads)
         self._sgd(ks, index, leaves, grads)
         if type(self.update).stepped is not ClientUpdate.stepped:
             self._stepped(group)
+
+    def _backward(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                  leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor, record: bool) -> None:
+        """One batched forward of the group's clients on their ``step_input`` (each drawn in its
+        stream), their step losses, one backward of their sum into ``leaves``; ``record``: the
+        parts are the step's (its loss, its count), not a second pass's."""
+        params = dict(zip(self.names, leaves)) | fixed
+        inputs = x
+        if type(self.update).step_input is not ClientUpdate.step_input:
+            inputs = []
+            for j, (k, _, _) in enumerate(group):
+                with _Seeded(self.clients[k]):
+                    inputs.append(self.update.step_input(self.clients[k].local, x[j]))
+            inputs = torch.stack(inputs)
+        with forward_precision(self.schedule.precision, x.device):
+            if self.update.features:
+                logits, features = vmap(self._with_features)(params, inputs)
+            else:
+                logits, features = self.vmapped(params, inputs), None
+            offsets = self._offsets(logits.shape[-1])
+            if offsets is not None:
+                total = [self._offset_ce(group, index, offsets, logits, record)]
+            else:
+                total = self._terms(group, leaves, params, x, inputs, logits, features, record)
+        with backward_precision(x.device):
+            torch.stack(total).sum().backward()
+
+    def _again_at_ascent(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
+                         leaves: list[torch.Tensor], fixed: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+        """``ClientUpdate.backward``'s second pass for the group, on ``leaves`` in place as the
+        sequential step does: each client's ε from its own gradients (``ascent``: its own norm),
+        the leaves moved to w + ε, their gradients taken again there, the leaves moved back by −ε."""
+        with torch.no_grad():
+            ascent = self.update.ascent([leaf.new_zeros(leaf.shape) if leaf.grad is None else leaf.grad
+                                         for leaf in leaves])
+            for leaf, e in zip(leaves, ascent):
+                leaf.add_(e)
+        for leaf in leaves:
+            leaf.grad = None
+        self._backward(group, index, leaves, fixed, x, record=False)
+        with torch.no_grad():
+            for leaf, e in zip(leaves, ascent):
+                leaf.sub_(e)
 
     def _offsets(self, num_classes: int) -> torch.Tensor | None:
         """Every participant's offset o_k (K×C, float64) when each one's step loss is the plain
@@ -337,14 +420,15 @@ class Cohort:
         a finite ``fedlc`` — else None: then the step's loss is computed for all of them at once."""
         if not hasattr(self, "offsets"):
             self.offsets, self.offsets_on = None, {}
-            if type(self.update).terms is ClientUpdate.terms and not self.update.features:
+            if type(self.update).terms is ClientUpdate.terms and not self.update.features and \
+                    type(self.update).step_input is ClientUpdate.step_input:
                 found = [offset_of(c.objective, num_classes) for c in self.clients]
                 if all(o is not None for o in found):
                     self.offsets = torch.stack(found)
         return self.offsets
 
     def _offset_ce(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
-                   offsets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                   offsets: torch.Tensor, logits: torch.Tensor, record: bool) -> torch.Tensor:
         """Σ_k CE(z_k + o_k, y_k) over the group as one cross-entropy over its G·B rows (each
         client's own mean), instead of G objective calls: a step's loss in a fixed handful of
         operators for any G. Each client's part is recorded as its objective's would be."""
@@ -356,17 +440,18 @@ class Cohort:
         y = torch.stack([y for _, _, y in group])
         rows = F.cross_entropy((z + o.unsqueeze(1)).flatten(0, 1), y.flatten(), reduction="none")
         losses = rows.view(len(group), -1).mean(1)
-        recorded = losses.detach()
-        for j, (k, _, _) in enumerate(group):
-            c = self.clients[k]
-            c.parts.setdefault(OBJECTIVE, []).append(recorded[j])
-            c.steps += 1
+        if record:
+            recorded = losses.detach()
+            for j, (k, _, _) in enumerate(group):
+                self.clients[k].parts.setdefault(OBJECTIVE, []).append(recorded[j])
+                self.clients[k].steps += 1
         return losses.sum()
 
     def _terms(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
-               params: dict[str, torch.Tensor], x: torch.Tensor, logits: torch.Tensor,
-               features: torch.Tensor | None) -> list[torch.Tensor]:
-        """Each client's step loss from the variant's ``terms`` on its slice of the batched forward."""
+               params: dict[str, torch.Tensor], x: torch.Tensor, inputs: torch.Tensor, logits: torch.Tensor,
+               features: torch.Tensor | None, record: bool) -> list[torch.Tensor]:
+        """Each client's step loss from the variant's ``terms`` on its slice of the batched forward
+        (on ``inputs``, the clients' ``step_input`` of their minibatches ``x``)."""
         ks = [k for k, _, _ in group]
         teacher = self._teacher(ks, x) if any(self.clients[k].objective.needs_teacher for k in ks) else None
         total = []
@@ -377,13 +462,14 @@ class Cohort:
                 extra["teacher_logits"] = teacher[j]
             if c.objective.needs_params:
                 extra["params"] = [leaf[j] for leaf in leaves]
-            forward = _ClientForward(self.model, self.prefixes, params, j, x[j], logits[j],
+            forward = _ClientForward(self.model, self.prefixes, params, j, inputs[j], logits[j],
                                      None if features is None else features[j])
             with _Seeded(c):
                 parts = self.update.terms(c.local, forward, c.objective, y, extra)
-            for name, value in parts.items():
-                c.parts.setdefault(name, []).append(value.detach())
-            c.steps += 1
+            if record:
+                for name, value in parts.items():
+                    c.parts.setdefault(name, []).append(value.detach())
+                c.steps += 1
             total.append(sum(parts.values()))
         return total
 
@@ -397,10 +483,13 @@ class Cohort:
             with torch.no_grad():
                 for i, name in enumerate(self.names):
                     tensors[name].copy_(self.weights[i][k])
-                for name, stacked in self.fixed.items():
+                for name, stacked in [*self.fixed.items(), *self.running.items()]:
                     tensors[name].copy_(stacked[k])
             with _Seeded(c):
                 self.update.stepped(c.local, self.model, x, y, c.steps - 1)
+            with torch.no_grad():  # a training-mode forward in the hook (APFL's w(x)) moved the statistics
+                for name, stacked in self.running.items():
+                    stacked[k].copy_(tensors[name])
 
     @torch.no_grad()
     def _teacher(self, ks: list[int], x: torch.Tensor) -> torch.Tensor:
@@ -441,8 +530,7 @@ class Cohort:
             return
         present = [g for g in grads if g is not None]
         # per client (row), over every entry of each parameter (a scalar too: FedETF's temperature)
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in present], 1)
-        coef = torch.clamp(self.schedule.clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6), max=1.0)
+        coef = torch.clamp(self.schedule.clip / (client_norms(present) + 1e-6), max=1.0)
         for g in present:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
 
@@ -499,7 +587,7 @@ class Cohort:
         task = c.task
         train_loss = check_parts(c.parts, c.steps, task)
         params = [w[k] for w in self.weights]
-        trained = dict(zip(self.names, params))
+        trained = dict(zip(self.names, params)) | {n: r[k] for n, r in self.running.items()}
         self.model.load_state_dict({n: trained.get(n, t) for n, t in task.weights.items()})
         with _Seeded(c):
             own, extras = self.update.end(c.local, task, self.model, params, c.steps)
@@ -508,25 +596,46 @@ class Cohort:
         return ClientResult(task.cid, weights, len(task.data), c.steps, train_loss, state, extras=extras)
 
 
-def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+def _answered_or_trained(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                         rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
     """Each task the update answers without training (``without_loop``, in the client's stream
-    as sequentially), the others trained as one :class:`Cohort`; in the order of ``tasks``."""
-    answered = []
-    for task in tasks:
-        with client_rng(task):
+    as sequentially), the others trained as one :class:`Cohort` (their streams continued from
+    ``rng``); in the order of ``tasks``."""
+    answered, streams = [], list(rng) if rng is not None else [None] * len(tasks)
+    for task, stream in zip(tasks, streams):
+        with client_rng(task, stream):
             answered.append(update.without_loop(task, model))
     rest = [t for t, a in zip(tasks, answered) if a is None]
-    trained = iter(Cohort(update, rest, model).run() if rest else [])
+    kept = [r for r, a in zip(streams, answered) if a is None]
+    trained = iter(Cohort(update, rest, model, kept).run() if rest else [])
     return [a if a is not None else next(trained) for a in answered]
 
 
-def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module) -> list[ClientResult]:
+def train_around(arounds: Sequence[AroundUpdate], update: ClientUpdate, tasks: Sequence[ClientTask],
+                 model: nn.Module, rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
+    """:func:`train_cohort` inside the updates run around it (outermost first): each one's ``before``
+    and ``after`` client by client, in the client's stream (``rng``: where it stands), carried into
+    the training as sequentially."""
+    if not arounds:
+        return train_cohort(update, tasks, model, rng)
+    outer, prepared, streams = arounds[0], [], []
+    for task, stream in zip(tasks, rng or [None] * len(tasks)):
+        with client_rng(task, stream) as after:
+            prepared.append(outer.before(task, model))
+        streams.append(dict(after))
+    trained = train_around(arounds[1:], update, prepared, model, streams)
+    return [outer.after(p, r) for p, r in zip(prepared, trained)]
+
+
+def train_cohort(update: ClientUpdate, tasks: Sequence[ClientTask], model: nn.Module,
+                 rng: Sequence[dict[str, torch.Tensor]] | None = None) -> list[ClientResult]:
     """The participants' round as one :class:`Cohort`; a :class:`PhasedUpdate`'s round as one
-    cohort per phase, each client's random stream carried from phase to phase."""
+    cohort per phase, each client's random stream carried from phase to phase (``rng``: where
+    each stream starts; None: at its beginning)."""
     if not isinstance(update, PhasedUpdate):
-        return _answered_or_trained(update, tasks, model)
+        return _answered_or_trained(update, tasks, model, rng)
     done: list[list[ClientResult]] = [[] for _ in tasks]
-    streams = None
+    streams = rng
     while True:
         steps = [update.phase(len(d), t, d) for t, d in zip(tasks, done)]
         if steps[0] is None:
@@ -572,12 +681,12 @@ class CohortRunner:
             self.first_fallback = f"round {tasks[0].round_index + 1}: {self.fallback}"
         if self.fallback is not None or self.size <= 1:
             return self.transport.call(algorithm, tasks)
-        update, out = client_variant(algorithm), []
+        update, arounds, out = client_variant(algorithm), around(algorithm), []
         for start in range(0, len(tasks), self.size):
             chunk = tasks[start:start + self.size]
             try:
-                out += [uploaded(t, r) for t, r in zip(chunk, train_cohort(update, [isolated(t) for t in chunk],
-                                                                           algorithm._work))]
+                trained = train_around(arounds, update, [isolated(t) for t in chunk], algorithm._work)
+                out += [uploaded(t, r) for t, r in zip(chunk, trained)]
             except Exception:  # noqa: BLE001  (rerun one by one: the transport names the failing client)
                 if not self.tolerate:
                     raise

@@ -91,8 +91,9 @@ class ClientUpdate:
     training), ``start`` (the task the loop trains: the
     received one, or with the client's own part in place, as a personalised method keeps it),
     ``frozen_keys`` (parameters kept out of training for the round), ``begin`` (once: what this round's variant needs, returned as ``local``), per step
-    ``backward`` (the loss's named parts and their gradients; by default ``parts`` then
-    ``.backward()`` of their sum), ``correct`` (edits the gradients before clipping) and
+    ``step_input`` (the input the step's forward runs on), ``backward`` (the loss's named parts
+    and their gradients; by default ``parts`` then ``.backward()`` of their sum, and again at
+    w + ε when ``ascent`` gives ε: SAM), ``correct`` (edits the gradients before clipping) and
     ``stepped`` (after the optimiser's step, same minibatch), then
     ``end`` (once: the client's new persistent state and the extras the strategy reads), then
     ``upload`` (once: the weights the client sends back for aggregation; its trained weights by
@@ -196,11 +197,17 @@ class ClientUpdate:
     # result would not equal the sequential one within the cohort's tolerance
     cohort_refusal: ClassVar[str | None] = None
 
+    def step_input(self, local: Any, x: torch.Tensor) -> torch.Tensor:
+        """The input the step's forward runs on, drawn in the client's stream: the minibatch x
+        (FedYoYo: x and its Cutout view, concatenated); ``terms`` reads the forward on it."""
+        return x
+
     def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The step's loss as named parts (their sum is minimised): ``terms`` of the model's
-        forward on x. A variant that adds a term overrides ``terms``, which a cohort runs too."""
-        return self.terms(local, StepForward(model, x, self.features), objective, y, extra)
+        forward on ``step_input(x)``. A variant that adds a term overrides ``terms``, which a
+        cohort runs too."""
+        return self.terms(local, StepForward(model, self.step_input(local, x), self.features), objective, y, extra)
 
     def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -213,7 +220,34 @@ class ClientUpdate:
         parts = self.parts(local, model, objective, x, y, extra)
         with backward_precision(x.device):  # autocast covers the forward only
             sum(parts.values()).backward()
+        if type(self).ascent is not ClientUpdate.ascent:
+            self._again_at_ascent(local, model, params, objective, x, y, extra)
         return parts
+
+    def ascent(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """A sharpness-aware step's perturbation ε of the weights from the step's gradients g,
+        each stacked over clients (K × the parameter's shape: K = 1 in a client's own loop, a
+        cohort's clients in one; a norm is a client's own row's, never the cohort's): the step's
+        gradient is taken again at w + ε and applied at w. None (the default): one pass."""
+        return None
+
+    def _again_at_ascent(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective,
+                         x: torch.Tensor, y: torch.Tensor, extra: dict[str, Any]) -> None:
+        """The gradients replaced by those of the step's loss at w + ε (``ascent``), then the
+        weights moved back by −ε (a parameter the loss did not reach has g = 0)."""
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).unsqueeze(0) for p in params]
+        with torch.no_grad():
+            ascent = [e.squeeze(0) for e in self.ascent(grads)]
+            for p, e in zip(params, ascent):
+                p.add_(e)
+        for p in params:
+            p.grad = None
+        again = self.parts(local, model, objective, x, y, extra)
+        with backward_precision(x.device):
+            sum(again.values()).backward()
+        with torch.no_grad():
+            for p, e in zip(params, ascent):
+                p.sub_(e)
 
     def correct(self, local: Any, params: list[nn.Parameter]) -> None:
         pass
@@ -240,7 +274,7 @@ def step_reason(update: type[ClientUpdate]) -> str | None:
     than the logits of ``model(x)`` — ``terms``, ``parts`` or ``backward`` overridden (a submodule
     through ``StepForward.call``, a parameter, a reference forward, a two-pass step) or the
     representation (``features``: a module hook the compiled graph does not carry)."""
-    for hook in ("terms", "parts", "backward"):
+    for hook in ("terms", "parts", "backward", "ascent"):
         if getattr(update, hook) is not getattr(ClientUpdate, hook):
             return f"{update.__name__} overrides ClientUpdate.{hook} (its step reads more than model(x): a " \
                    "submodule, a parameter, the representation or a second forward)"
@@ -315,6 +349,13 @@ def index_batches(task: ClientTask, generator: torch.Generator, private: Private
                            task.data.index_device)
 
 
+def client_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each client's L2 norm over all entries of ``tensors``, each stacked over clients (K × the
+    parameter's shape, a scalar parameter's K): the K norms, one per row."""
+    rows = [torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(rows, 1), dim=1)
+
+
 def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:
     """The round's mean loss (the parts summed per step), after one finiteness check of every
     part at every step (one host synchronisation); a non-finite one is named: the objective by
@@ -330,6 +371,27 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
         raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
                             f"client {task.cid}, {what}")
     return float(table.double().sum(0).mean())
+
+
+class AroundUpdate:
+    """A client update run around another (``update``: a ``ClientUpdate`` or another
+    ``AroundUpdate``): ``before`` gives the task it trains from the received one (``model``: the
+    work module, or None), ``after`` its result from the inner update's (FedReLa: the client's
+    labels, then kept in its state). A cohort (fedlt.algorithms.cohort) runs ``before`` and
+    ``after`` client by client and trains the inner update's tasks together."""
+
+    update: Any
+
+    def before(self, task: ClientTask, model: nn.Module | None) -> ClientTask:
+        return task
+
+    def after(self, task: ClientTask, result: ClientResult) -> ClientResult:
+        """``task``: what ``before`` gave."""
+        return result
+
+    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+        prepared = self.before(task, model)
+        return self.after(prepared, self.update(prepared, model))
 
 
 class PhasedUpdate(ClientUpdate):

@@ -27,6 +27,7 @@ from torch import nn
 
 from fedlt.algorithms import register
 from fedlt.algorithms.base import ClientData, place_model
+from fedlt.algorithms.fedavg_family import AroundUpdate
 from fedlt.algorithms.longtail import FedLoGe, WithHead
 from fedlt.algorithms.personal import stream_seed
 from fedlt.algorithms.protocol import ClientResult, ClientTask
@@ -76,7 +77,7 @@ def predictions_of(model: nn.Module, data: ClientData, batch: int = 2048) -> tor
 
 
 @dataclass(frozen=True)
-class Relabelled:
+class Relabelled(AroundUpdate):
     """A client update (``update``) run, from round index ``start`` on, on the client's data with
     its FedReLa labels — computed from the received model when the client has none yet (or every
     ``period`` rounds after ``start``, when ``period`` > 0), kept in its state — and with the
@@ -92,18 +93,24 @@ class Relabelled:
         """``start`` as a round index: a fraction of the run's rounds when below 1, else the index itself."""
         return math.floor(self.start * rounds + 1e-9) if self.start < 1 else int(self.start)  # 0.29·100 is 29
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+    def before(self, task: ClientTask, model: nn.Module | None) -> ClientTask:
+        """The task on the client's FedReLa labels (also put in its state, for ``after``) at the
+        scaled rate; the received task before round ``start``."""
         start = self.first_round(task.context.rounds)
         if task.round_index < start:
-            return self.update(task, model)
+            return task
         own = task.state.get(STATE)
         refresh = self.period > 0 and (task.round_index - start) % self.period == 0
         if own is None or refresh or task.round_index == start:
             own = self.new_labels(task, model)
         data = dataclasses.replace(task.data, y=own.to(task.data.y.device))
         schedule = dataclasses.replace(task.schedule, lr=task.schedule.lr * self.lr_scale)
-        result = self.update(dataclasses.replace(task, data=data, schedule=schedule), model)
-        return dataclasses.replace(result, state=result.state | {STATE: own})
+        return dataclasses.replace(task, data=data, schedule=schedule, state=task.state | {STATE: own})
+
+    def after(self, task: ClientTask, result: ClientResult) -> ClientResult:
+        if STATE not in task.state:
+            return result
+        return dataclasses.replace(result, state=result.state | {STATE: task.state[STATE]})
 
     def new_labels(self, task: ClientTask, model: nn.Module | None) -> torch.Tensor:
         if model is None:

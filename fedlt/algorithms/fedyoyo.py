@@ -6,7 +6,7 @@ Each round, before training, every participant measures on the **received** glob
 "effective number" of each of its classes (``effective_numbers``, their
 ``Local.calculate_eff_weight``), the server sums them (plus one per class), smooths them across
 rounds and normalises them into a global prior π (``YoYoStrategy.measure``, the loop of their
-``FedYoYo()``). A participant's step (``YoYoUpdate.parts``): its prior moves towards its own
+``FedYoYo()``). A participant's step (``YoYoUpdate.step_input`` and ``terms``): its prior moves towards its own
 label distribution p (π ← (1 − γ)π + γp, at every step, carried over the round), the logits of
 both views are shifted by log(π^τ + 1e-9), the loss is the objective (``ce``) on both views
 plus λ·min(r/warmup, 1)·KL(softmax(weak/T) ‖ softmax(strong/T)) averaged over the samples whose
@@ -28,8 +28,8 @@ from torch import nn
 import fedlt.augment
 import fedlt.server_steps
 from fedlt.algorithms import register
-from fedlt.algorithms.base import ClientData, RunContext, build_aggregator, client_generator, place_model, upcast
-from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Strategy
+from fedlt.algorithms.base import ClientData, RunContext, build_aggregator, client_generator, upcast
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, StepForward, Strategy
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask
 from fedlt.context import RoundContext
 from fedlt.datasets.source import to_device
@@ -121,11 +121,9 @@ class YoYoUpdate(ClientUpdate):
     warmup: int = 50
     cutout_length: int = 16
 
-    def __call__(self, task: ClientTask, model: nn.Module | None = None) -> ClientResult:
+    def without_loop(self, task: ClientTask, model: nn.Module) -> ClientResult | None:
         if not task.payload.get(COLLECT):
-            return super().__call__(task, model)
-        if model is None:
-            model = place_model(task.context.model.build(), task.data.x.device)
+            return None
         model.load_state_dict(task.weights)
         return ClientResult(task.cid, {}, len(task.data), 0, 0.0, task.state,
                             extras={EFFECTIVE: self.measure(task, model).cpu()})
@@ -147,12 +145,15 @@ class YoYoUpdate(ClientUpdate):
         ramp = min((task.round_index + 1) / self.warmup, 1.0) if self.warmup > 0 else 1.0
         return _Prior(prior, counts / counts.sum(), ramp)
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    def step_input(self, local: Any, x: torch.Tensor) -> torch.Tensor:
+        """The weak view and its Cutout strong view, one batch (their forward of both)."""
+        return torch.cat([x, cutout(x, self.cutout_length)])
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
         state = local
         state.prior = (1 - self.gamma) * state.prior + self.gamma * state.local
-        logits = upcast(model(torch.cat([x, cutout(x, self.cutout_length)])))
-        adjusted = logits + torch.log(state.prior.pow(self.tau) + 1e-9)
+        adjusted = upcast(forward.logits) + torch.log(state.prior.pow(self.tau) + 1e-9)
         weak, strong = adjusted.chunk(2)
         teacher = F.softmax(weak.detach() / self.temperature, 1)
         student = F.log_softmax(strong / self.temperature, 1)

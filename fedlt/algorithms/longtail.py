@@ -463,21 +463,21 @@ class FedLoGeUpdate(ClientUpdate):
         l_head = linear_head(start["weight"].to(aux.weight), start["bias"].to(aux.weight)).requires_grad_(True)
         return {"l_head": l_head, "optimiser": task.schedule.optimiser(list(l_head.parameters()))}
 
-    def parts(self, local: Any, model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor,
+    features: ClassVar[bool] = True  # g_aux and l_head read h
+
+    def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with features_of(model) as seen:
-            logits = model(x)
-        h = seen[0].detach()
-        return {OBJECTIVE: objective(upcast(logits), y, **extra),
-                "FedLoGe's g_aux (CE on detached features)": F.cross_entropy(upcast(g_aux(model)(h)), y),
+        h = forward.features.detach()
+        aux = forward.call(g_aux(forward.model), h)  # the client's own g_aux (a cohort's: its slice)
+        return {OBJECTIVE: objective(upcast(forward.logits), y, **extra),
+                "FedLoGe's g_aux (CE on detached features)": F.cross_entropy(upcast(aux), y),
                 "FedLoGe's local head (CE on detached features)": F.cross_entropy(upcast(local["l_head"](h)), y)}
 
-    def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
-                 y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        parts = super().backward(local, model, params, objective, x, y, extra)
-        local["optimiser"].step()  # l_head's own step (its gradient is its term's alone: detached features)
+    def correct(self, local: Any, params: list[nn.Parameter]) -> None:
+        # l_head's own step, after the step's backward and before the model's clip and step, as
+        # theirs (its gradient is its term's alone: detached features)
+        local["optimiser"].step()
         local["optimiser"].zero_grad(set_to_none=True)
-        return parts
 
     def end(self, local: Any, task: ClientTask, model: nn.Module, params: list[nn.Parameter],
             steps: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedlt.algorithms.cohort import client_variant
+from fedlt.algorithms.cohort import around, client_variant
 from fedlt.algorithms.fedavg_family import ClientUpdate, Federated
 from fedlt.context import RoundContext
 from fedlt.errors import FedltError
@@ -21,7 +21,7 @@ from fedlt.privacy.dpsgd import stateful_terms
 # a second model trained on the same batch); the others (``correct``, ``begin``, ``end``,
 # ``upload``, ``start``, ``frozen_keys``, ``generator``) act on the privatised gradient, the trained
 # weights or which of them train: post-processing
-DATA_HOOKS = ("__call__", "loop", "parts", "terms", "backward", "stepped")
+DATA_HOOKS = ("__call__", "loop", "step_input", "parts", "terms", "backward", "ascent", "stepped")
 
 
 def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:
@@ -30,6 +30,9 @@ def sample_level_reason(algorithm: Any, model: nn.Module) -> str | None:
     if not isinstance(algorithm, Federated) or client_variant(algorithm) is None:
         return f"{name}'s local update is not fedlt's standard step on a model's loss (ClientUpdate)"
     update = client_variant(algorithm)
+    if around(algorithm):  # work on the client's data before or after the loop (FedReLa's relabelling)
+        return (f"{type(around(algorithm)[0]).__name__} runs work around the local loop on the client's data, "
+                "which DP-SGD's per-sample gradients do not cover")
     for hook in DATA_HOOKS:
         if hook == "__call__" and getattr(update, "trains_in_the_loop", False):
             continue  # work beside the loop (CCVR's statistics), its training the loop's own

@@ -11,7 +11,7 @@ expression as their local objective (``--algo scaffold --loss fedlc``) and any p
 | ``moon`` | ``parts``: + μ·ℓ_con; ``end``: keep the local model | — |
 | ``fednova`` | — | average the updates normalised by effective local steps |
 | ``fedexp`` | — | the ``fedexp`` aggregator (extrapolated server step) |
-| ``fedsam`` | ``backward``: SAM's two-pass gradient | — |
+| ``fedsam`` | ``ascent``: SAM's two-pass gradient (ε = ρ·g/‖g‖) | — |
 | ``feddecorr`` | ``parts``: + β·decorrelation of the representation | — |
 
 Per-client state lives in the engine's ``ClientStates`` (checkpointed); per-server state in the
@@ -35,7 +35,7 @@ from fedlt.algorithms import preset, register
 from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, upcast
 # features_of is re-exported: its users import it from here
 from fedlt.algorithms.fedavg_family import (ClientUpdate, FedAvgFamily, StepForward, Strategy,  # noqa: F401
-                                            features_of, trainable_names)
+                                            client_norms, features_of, trainable_names)
 from fedlt.algorithms.protocol import ClientResult, ClientTask, State
 from fedlt.context import RoundContext
 
@@ -271,10 +271,13 @@ def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 class DecorrUpdate(ClientUpdate):
     beta: float
     features = True
-    # measured: check_cohort's epochs schedule (batches of 8) ends 2.2 % apart in the weights
-    cohort_refusal = ("FedDecorr's standardisation z/√(var + 1e-8) magnifies the batched forward's float "
-                      "rounding up to 10⁴× on a feature nearly constant over the batch (2.2 % weight gap "
-                      "after two rounds): the cohort would not equal the sequential run")
+    # measured (fedlt.testing.cohort.sensitivity, the contract's settings): the sequential path from
+    # weights perturbed by 1e-7 ends 3.9 % apart after two rounds (FedAvg's 3e-8); the cohort 2.2 %.
+    # In float64 too: perturbed by 1e-16 the sequential path ends 1.4e-4 apart (the cohort 7.6e-5)
+    cohort_refusal = ("FedDecorr's local training amplifies float32 rounding itself (its z/√(var + 1e-8) on a "
+                      "feature nearly constant over a batch): one client after another, weights perturbed by 1e-7 "
+                      "end 3.9 % apart after two rounds, so no batched order of float sums can be checked equal "
+                      "to the sequential run")
 
     def terms(self, local: Any, forward: StepForward, objective, y: torch.Tensor,
               extra: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -296,27 +299,15 @@ class FedDecorr(FedAvgFamily):
 # -- FedSAM -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamUpdate(ClientUpdate):
-    """Each step: ε = ρ·g/‖g‖ (g the batch gradient, ‖·‖ over all parameters), the gradient at
-    w + ε, then the optimiser steps from w with it (Foret et al. 2021's SAM)."""
+    """Each step: ε = ρ·g/(‖g‖ + 1e-12) (g the batch gradient, ‖·‖ over all of a client's
+    parameters), the gradient at w + ε, then the optimiser steps from w with it (Foret et al.
+    2021's SAM); the two passes are ``ClientUpdate.backward``'s, which a cohort runs batched."""
 
     rho: float
 
-    def backward(self, local: Any, model: nn.Module, params: list[nn.Parameter], objective, x: torch.Tensor,
-                 y: torch.Tensor, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-        parts = super().backward(local, model, params, objective, x, y, extra)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        scale = self.rho / (torch.linalg.vector_norm(torch.stack([g.norm(2) for g in grads])) + 1e-12)
-        with torch.no_grad():
-            ascent = [g * scale for g in grads]
-            for p, e in zip(params, ascent):
-                p.add_(e)
-        for p in params:
-            p.grad = None
-        sum(self.parts(local, model, objective, x, y, extra).values()).backward()
-        with torch.no_grad():
-            for p, e in zip(params, ascent):
-                p.sub_(e)
-        return parts
+    def ascent(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        scale = self.rho / (client_norms(grads) + 1e-12)  # one per client (row)
+        return [g * scale.view(-1, *([1] * (g.dim() - 1))) for g in grads]
 
 
 class FedSAM(FedAvgFamily):

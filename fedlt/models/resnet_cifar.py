@@ -17,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from fedlt.errors import FedltError
 from fedlt.models import register
 
 
@@ -60,9 +61,17 @@ class CifarResNet(nn.Module):
 
 
 @register("resnet8")
-def resnet8(in_chans: int = 3, num_classes: int = 10, image_size: int = 32) -> CifarResNet:
-    """CReFF's ResNet-8 (ResNet_cifar, resnet_size 8, scaling 4): 256-d representation."""
-    model = CifarResNet([64, 128, 256], [1, 1, 1], in_chans, num_classes)
+def resnet8(in_chans: int = 3, num_classes: int = 10, image_size: int = 32, scaling: int = 4) -> CifarResNet:
+    """CReFF's ResNet-8 (ResNet_cifar, resnet_size 8): stages of 16·``scaling``, 32·``scaling`` and
+    64·``scaling`` channels.
+
+    Args:
+        scaling: their width factor (``ResNet_cifar(scaling=...)``): 4, theirs, gives 64/128/256
+            channels and the 256-d representation; 1 is the smallest BatchNorm model (16/32/64)
+    """
+    if isinstance(scaling, bool) or not isinstance(scaling, int) or not 1 <= scaling <= 64:
+        raise FedltError(f"model 'resnet8': scaling must be an integer in [1, 64], got {scaling!r}")
+    model = CifarResNet([16 * scaling, 32 * scaling, 64 * scaling], [1, 1, 1], in_chans, num_classes)
     for m in model.modules():  # ResNetBase._weight_initialization
         if isinstance(m, nn.Conv2d):
             m.weight.data.normal_(0, math.sqrt(2.0 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels)))
