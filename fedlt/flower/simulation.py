@@ -139,13 +139,15 @@ def start_ray(num_cpus: int | None) -> None:
     after it are fedlt's: ``ray.init`` installs its own SIGTERM handler, which exits mid-round."""
     import ray
 
-    # the workers import fedlt (and the ClientApp) from the paths this process imports them from
+    # the workers import fedlt (and the ClientApp) from the paths this process imports them from:
+    # the raylet started below inherits this environment and its workers inherit it from the raylet.
+    # No runtime_env: a job's runtime_env (even env_vars alone) makes Ray start every actor's worker
+    # anew through its runtime-env setup instead of taking a worker it prestarted at ray.init
     pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ["PYTHONPATH"] = pythonpath
     # address="local": always a Ray of its own, never a cluster another program started (`ray start`),
     # whose processes this run could neither own nor stop
-    args: dict[str, Any] = {"address": "local", "include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False,
-                            "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}}
+    args: dict[str, Any] = {"address": "local", "include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
     if num_cpus is not None:
         args["num_cpus"] = num_cpus
     try:
