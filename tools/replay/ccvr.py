@@ -99,8 +99,6 @@ class ServerDraws:
 class Authors:
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.config = mode, config
         self.dtype = next(initial.parameters()).dtype
         self.draws = ServerDraws()

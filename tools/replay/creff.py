@@ -110,8 +110,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.config, self.side, self.loader = config, side, None
         self.dtype = next(initial.parameters()).dtype
         step = side.prep.algorithm.strategy.step

@@ -104,8 +104,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns, self.mode = load(git_dir), mode
         cuda_as_cpu()  # their client_fedetf calls .cuda()
         self.central = ETFNet(initial)

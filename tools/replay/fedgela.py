@@ -93,8 +93,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         cuda_as_cpu()
         dtype = next(initial.parameters()).dtype
         self.ns: dict[str, Any] = {"torch": torch, "nn": nn, "np": np, "optim": optim, "time": time,

@@ -115,8 +115,6 @@ class Authors:
                  side: Any = None) -> None:
         num_clients, num_classes, epochs = config.clients, initial[-1].out_features, config.local_epochs
         lr, momentum = config.optimiser.lr, config.optimiser.momentum
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns, self.mode = load(git_dir), mode
         self.model = copy.deepcopy(initial)
         with default_dtype(next(initial.parameters()).dtype):  # their buffers (torch.zeros) take it: the model's

@@ -97,8 +97,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns = load(git_dir)
         self.global_net = FeatureNet(initial)
         params = config.algorithm_params

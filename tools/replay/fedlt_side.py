@@ -201,6 +201,12 @@ class EpochLoader:
         return self.per
 
 
+def check_mode(mode: str, modes: tuple[str, ...]) -> None:
+    """A replay's ``--mode`` (or protocol variant) refused in one line unless its adapter has it."""
+    if mode not in modes:
+        raise SystemExit(f"--mode must be one of {', '.join(modes)}, got {mode!r}")
+
+
 def cuda_as_cpu() -> None:
     """The authors' ``.cuda()`` calls made no-ops in this process (the harness's own; offline)."""
     torch.Tensor.cuda = lambda self, *a, **k: self

@@ -69,8 +69,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         from authors_code import load
         self.ns: dict[str, Any] = {"torch": torch, "F": F, "deepcopy": copy.deepcopy, "setup_seed": lambda seed: None}
         load(git_dir, COMMIT, "src/flbase/utils.py", ["setup_optimizer", "linear_combination_state_dict"], self.ns)

@@ -87,8 +87,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.config, self.initial, self.loader = config, initial, None
         self.dtype = next(initial.parameters()).dtype
         self.last = str(len(list(initial.children())) - 1)  # fedlt's name of the classifier layer

@@ -73,8 +73,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         ns: dict[str, Any] = {"torch": torch, "nn": nn, "copy": copy, "np": np}
         load_definitions(git_dir, COMMIT, "lib/update.py", ["LocalUpdate"], ns)
         load_definitions(git_dir, COMMIT, "lib/utils.py", ["agg_func", "proto_aggregation"], ns)

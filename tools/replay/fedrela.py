@@ -154,8 +154,6 @@ class Authors(FedLoGeAuthors):
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         super().__init__(git_dir, "matched", initial, config, seed, side=side)
         self.mode = mode
         cuda_as_cpu()  # collect_Q's x.cuda(args.gpu)

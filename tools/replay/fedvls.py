@@ -84,8 +84,6 @@ class Authors:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.ns: dict[str, Any] = {"torch": torch, "nn": nn, "np": np, "F": F, "copy": copy, "time": time,
                                    "parameters_to_vector": torch.nn.utils.parameters_to_vector}
         load_definitions(git_dir, COMMIT, "system/flcore/clients/clientvls.py", ["clientVLS"], self.ns)

@@ -162,8 +162,6 @@ class PFLlib:
 
     def __init__(self, git_dir: str, mode: str, initial: nn.Module, config: Any, seed: int = 0,
                  side: Any = None) -> None:
-        if mode not in MODES:
-            raise SystemExit(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.config, self.feed, self.metrics = mode, config, Feed(mode), Metrics()
         self.ns = self.load(git_dir)
         self.names = their_keys(initial)

@@ -45,7 +45,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import fedgrab  # noqa: E402
 import fedloge  # noqa: E402
-from fedlt_side import FedltSide  # noqa: E402
+from fedlt_side import FedltSide, check_mode  # noqa: E402
 
 from fedlt import safe_yaml  # noqa: E402
 from fedlt.algorithms.base import NonFiniteLoss  # noqa: E402
@@ -75,6 +75,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def run_authors(variant: str, side: FedltSide, git: str) -> list[float]:
     c, prep = side.config, side.prep
+    check_mode(variant, fedgrab.MODES)
     authors = fedgrab.Authors(git, variant, prep.algorithm.global_model(), c, seed=c.seeds.sampling)
     curve = []
     for r in range(c.rounds):

@@ -51,7 +51,7 @@ import fedrela  # noqa: E402
 import fedvls  # noqa: E402
 import fedyoyo  # noqa: E402
 import personalised  # noqa: E402
-from fedlt_side import (COUNTER, FedltSide, fingerprint, group_difference, quantities,  # noqa: E402
+from fedlt_side import (COUNTER, FedltSide, check_mode, fingerprint, group_difference, quantities,  # noqa: E402
                         relative_difference, replay_config, write_data)
 
 ADAPTERS = {"fedgrab": fedgrab, "fedvls": fedvls, **personalised.ADAPTERS, "fedproto": fedproto, "fedgela": fedgela,
@@ -115,6 +115,7 @@ def recorded(theirs: dict[str, Any]) -> dict[str, Any]:
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
     adapter = ADAPTERS[args.method]
+    check_mode(args.mode, adapter.MODES)
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="fedlt-replay-"))
     atexit.register(shutil.rmtree, work, True)  # the replay's data and run folder: scratch, gone at exit
