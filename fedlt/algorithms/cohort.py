@@ -53,9 +53,8 @@ from fedlt.models import eval_mode
 def client_variant(algorithm: Any) -> ClientUpdate | None:
     """The algorithm's client loop as a ``ClientUpdate`` (the plain function is ``_PLAIN``), inside
     the updates run around it (:func:`around`); None when its client work is something else."""
-    fn = _given(algorithm)
-    while isinstance(fn, AroundUpdate):
-        fn = fn.update
+    arounds = around(algorithm)
+    fn = arounds[-1].update if arounds else _given(algorithm)
     if fn is client_update:
         return _PLAIN
     return fn if isinstance(fn, ClientUpdate) else None
@@ -562,20 +561,20 @@ class Cohort:
         the new buffers (the group's rows)."""
         mu = self.schedule.momentum
         bufs = [self.momentum[i] if full else self.momentum[i].index_select(0, index) for i in live]
-        running = []  # (buffer, step) of the parameters every one of whose clients has started
+        continuing = []  # (buffer, step) of the parameters every one of whose clients has started
         for i, buf, step in zip(live, bufs, d_p):
             started = [k in self.started[i] for k in ks]
             if all(started):
-                running.append((buf, step))
+                continuing.append((buf, step))
             elif not any(started):
                 buf.copy_(step)
             else:
                 first = to_device(torch.tensor([not s for s in started]), buf.device)
                 buf.copy_(torch.where(first.view(-1, *([1] * (buf.dim() - 1))), step, buf.mul(mu).add(step)))
             self.started[i].update(ks)
-        if running:
-            torch._foreach_mul_([b for b, _ in running], mu)
-            torch._foreach_add_([b for b, _ in running], [d for _, d in running])
+        if continuing:
+            torch._foreach_mul_([b for b, _ in continuing], mu)
+            torch._foreach_add_([b for b, _ in continuing], [d for _, d in continuing])
         if not full:
             for i, buf in zip(live, bufs):
                 self.momentum[i].index_copy_(0, index, buf)
