@@ -33,6 +33,7 @@ nothing about speed.
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import types
@@ -106,28 +107,19 @@ def refusal(func: Any, args: tuple, kwargs: dict, out: Any, device: torch.device
 
 
 class _Checking(TorchDispatchMode):
-    """Raises :class:`CaptureRefused` at the first operator a graph cannot carry."""
+    """Notes the first operator a graph cannot carry (``reason``), letting the step finish: the
+    checked step is a real eager step, so a refusal leaves nothing half done."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.device = device
+        self.device, self.reason = device, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        reason = refusal(func, args, kwargs, out, self.device)
-        if reason is not None:
-            raise CaptureRefused(reason)
+        if self.reason is None:
+            self.reason = refusal(func, args, kwargs, out, self.device)
         return out
-
-
-def _checked_runs(run: Callable[[], Any], times: int, device: torch.device) -> None:
-    """``run`` ``times`` times, the first under :class:`_Checking` (a refusal is said before a
-    capture could fail half-way)."""
-    with _Checking(device):
-        run()
-    for _ in range(times - 1):
-        run()
 
 
 # -- the two backends ------------------------------------------------------------------------------
@@ -139,12 +131,12 @@ class CudaGraph:
 
     def warm_up(self, run: Callable[[], Any], times: int) -> None:
         """``run`` ``times`` times on a side stream (lazy initialisation — cuBLAS's workspace,
-        autograd's streams — happens before capture, as the recipe asks), the first under
-        :class:`_Checking`."""
+        autograd's streams — happens before capture, as the recipe asks)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            _checked_runs(run, times, self.device)
+            for _ in range(times):
+                run()
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     def capture(self, run: Callable[[], Any]) -> Any:
@@ -192,7 +184,8 @@ class RecordedGraph:
         self.device, self.ops = device, []
 
     def warm_up(self, run: Callable[[], Any], times: int) -> None:
-        _checked_runs(run, times, self.device)
+        for _ in range(times):
+            run()
 
     def capture(self, run: Callable[[], Any]) -> Any:
         recording = _Recording(self.device)
@@ -419,7 +412,7 @@ class ClientGraphs:
         self.step_fn, self.make_optimiser, self.settings = step_fn, make_optimiser, settings
         self.device = params[0].device if params else torch.device("cpu")
         self.graphs = _GRAPHS.setdefault(model, ModuleGraphs())
-        self.walked = Structure([], ())  # walked at the first replay: after the eager first step built its caches
+        self.walked: Structure | None = None  # walked at its second step: after the first built its caches
         self.failed: str | None = None
         self.group: Group | None = None
         self.optimiser: torch.optim.Optimizer | None = None
@@ -427,21 +420,31 @@ class ClientGraphs:
 
     # -- per step ------------------------------------------------------------------------------
     def step(self, optimiser: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One step of the client after its first: replayed, or eager (``optimiser``: the
-        client's own) once a reason to run eagerly has come up."""
-        if self.failed is None:
-            try:
-                return self._replay(optimiser, x, y)
-            except CaptureRefused as exc:
-                self._give_up(str(exc), optimiser)
-        return self.step_fn(self.state, optimiser, x, y)
-
-    def _replay(self, optimiser: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One step of the client after its first (``optimiser``: the client's own): replayed;
+        where its shape has no graph yet, a checked eager step, then the capture for the steps
+        after it; eager once a reason to run eagerly has come up."""
+        if self.failed is not None:
+            return self.step_fn(self.state, optimiser, x, y)
+        try:
+            if self.walked is None:
+                self.walked = structure(self.state, self._fixed())
+                if self.walked.reason is not None:
+                    raise CaptureRefused(self.walked.reason)
+            group = self.graphs.groups.get(self._key())
+            graph = group.graphs.get(_shape(x, y)) if group is not None else None
+        except CaptureRefused as exc:
+            self._give_up(str(exc), optimiser)
+            return self.step_fn(self.state, optimiser, x, y)
+        if graph is None:
+            return self._checked_step_then_capture(optimiser, x, y)
         if self.group is None:
             self._enter(optimiser)
-        graph = self.group.graphs.get(_shape(x, y))
-        if graph is None:
-            graph = self._capture(x, y)
+        return self._replay(graph, x, y)
+
+    def _key(self) -> tuple:
+        return (self.settings, self.walked.signature)
+
+    def _replay(self, graph: Captured, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         graph.x.copy_(x)
         graph.y.copy_(y)
         graph.backend.replay()
@@ -449,23 +452,63 @@ class ClientGraphs:
         self.graphs.replays += 1
         return {k: v.clone() for k, v in graph.parts.items()}
 
+    def _checked_step_then_capture(self, optimiser: torch.optim.Optimizer, x: torch.Tensor,
+                                   y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This step eagerly on the client's own objects, watched: an operator a graph cannot
+        carry, or a change of what a graph would freeze (:func:`_python_change`), leaves the
+        client's steps eager; else the step is captured for the steps after it."""
+        if self.group is not None:
+            self._hand_back(optimiser)
+        before = structure(self.state, self._fixed())
+        checking = _Checking(self.device)
+        with checking:
+            parts = self.step_fn(self.state, optimiser, x, y)
+        reason = checking.reason or _python_change(before, structure(self.state, self._fixed()))
+        if reason is None and self.graphs.count >= MAX_GRAPHS:
+            reason = (f"more than {MAX_GRAPHS} step shapes or per-client settings on one work module (each needs a "
+                      "graph of its own)")
+        self.last = None  # this step's gradients stay on the parameters, as eagerly
+        if reason is not None:
+            self._give_up(reason, optimiser)
+            return parts
+        grads = [p.grad for p in self.params]
+        try:
+            self._enter(optimiser)
+            self._capture(x, y)
+        except CaptureRefused as exc:
+            self._give_up(str(exc), optimiser)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        return parts
+
     def _enter(self, optimiser: torch.optim.Optimizer) -> None:
         """The client's state into the canonical state of its group, its momentum into the
         persistent optimiser's (a new group's canonical state is the client's own)."""
-        self.walked = structure(self.state, self._fixed())
-        if self.walked.reason is not None:
-            raise CaptureRefused(self.walked.reason)
-        key = (self.settings, self.walked.signature)
-        group = self.graphs.groups.get(key)
+        group = self.graphs.groups.get(self._key())
         if group is None:
-            group = Group(self.state, self.walked.leaves, self.step_fn)
-            self.graphs.groups[key] = group
+            group = self._new_group()
+            self.graphs.groups[self._key()] = group
         self.optimiser = self._persistent()
         transfer(group.leaves, self.walked.leaves)
         buffers = [(a, b) for a, b in zip(_momentum(self.optimiser, self.params), _momentum(optimiser, self.params))
                    if a is not None and b is not None]
         transfer([a for a, _ in buffers], [b for _, b in buffers])
         self.group = group
+
+    def _new_group(self) -> Group:
+        """A group whose canonical state is a private copy of the client's (the client's own objects
+        may outlive its round: its uploaded extras hold them), the work module's tensors shared."""
+        memo = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]} | {id(self.model): self.model}
+        try:
+            with torch.no_grad():
+                canonical = copy.deepcopy(self.state, memo)
+        except Exception as exc:
+            raise CaptureRefused(f"the step's objects cannot be copied ({type(exc).__name__}: "
+                                 f"{(str(exc).splitlines() or [''])[0][:160]})") from exc
+        walked = structure(canonical, self._fixed())
+        if walked.signature != self.walked.signature:
+            raise CaptureRefused("a copy of the step's objects is not like the original (a tensor's layout)")
+        return Group(canonical, walked.leaves, self.step_fn)
 
     def _persistent(self) -> torch.optim.Optimizer:
         """The optimiser the graphs step with, one per (work module, trainable parameters,
@@ -483,35 +526,22 @@ class ClientGraphs:
         return opt
 
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> Captured:
+        """PyTorch's whole-network recipe on saved and restored state (weights, buffers, the
+        canonical objects, momentum): warm-up steps, gradients set to None, the capture."""
         group, graphs = self.group, self.graphs
-        if graphs.count >= MAX_GRAPHS:
-            raise CaptureRefused(f"more than {MAX_GRAPHS} step shapes or per-client settings on one work module "
-                                 "(each needs a graph of its own)")
         graphs.count += 1
         static_x, static_y = x.clone(), y.clone()
         backend = make_backend(self.backend, self.device)
         run = lambda: group.step(group.state, self.optimiser, static_x, static_y)  # noqa: E731
         saved = self._save()
-        before = structure(group.state, self._fixed())
         try:
             backend.warm_up(run, WARMUP)
-        except CaptureRefused:
             self._restore(saved)
-            raise
-        after = structure(group.state, self._fixed())
-        changed = _python_change(before, after)
-        if changed is not None:
-            self._restore(saved)
-            raise CaptureRefused(changed)
-        self._restore(saved)
-        self.optimiser.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
-        try:
+            self.optimiser.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
             parts = backend.capture(run)
-        except CaptureRefused:
-            raise
         except Exception as exc:  # a failed capture leaves the steps eager, said
             self._restore(saved)
-            raise CaptureRefused(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+            raise CaptureRefused(f"capture failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
         self._restore(saved)  # the stand-in ran the step while recording; CUDA's capture ran nothing
         graph = Captured(backend, static_x, static_y, {k: v.detach() for k, v in parts.items()},
                          [p.grad for p in self.params])
