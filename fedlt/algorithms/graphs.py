@@ -370,6 +370,13 @@ class ModuleGraphs:
 
 
 _GRAPHS: "weakref.WeakKeyDictionary[nn.Module, ModuleGraphs]" = weakref.WeakKeyDictionary()
+_TOTALS = {"captured": 0, "replays": 0}  # over every work module of this process (benchmarks/device_check.py)
+
+
+def totals() -> dict[str, int]:
+    """Graphs captured and steps replayed in this process so far."""
+    return dict(_TOTALS)
+
 _EAGER: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
@@ -450,6 +457,7 @@ class ClientGraphs:
         graph.backend.replay()
         self.last = graph
         self.graphs.replays += 1
+        _TOTALS["replays"] += 1
         return {k: v.clone() for k, v in graph.parts.items()}
 
     def _checked_step_then_capture(self, optimiser: torch.optim.Optimizer, x: torch.Tensor,
@@ -547,6 +555,7 @@ class ClientGraphs:
                          [p.grad for p in self.params])
         group.graphs[_shape(x, y)] = graph
         graphs.captured += 1
+        _TOTALS["captured"] += 1
         return graph
 
     def _fixed(self) -> dict[int, str]:
@@ -609,4 +618,4 @@ def _python_change(before: Structure, after: Structure) -> str | None:
 
 __all__ = ["BACKEND", "BACKENDS", "CaptureRefused", "ClientGraphs", "CudaGraph", "MAX_GRAPHS", "RecordedGraph",
            "StepState", "Structure", "captured", "default_backend", "device_reason", "failure", "left_eager",
-           "replays", "structure", "transfer"]
+           "replays", "structure", "totals", "transfer"]
