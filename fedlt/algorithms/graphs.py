@@ -83,8 +83,11 @@ MARKERS = frozenset({"_record_function_enter", "_record_function_enter_new", "_r
 EMPTY = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 
 
-def refusal(func: Any, args: tuple, kwargs: dict, out: Any, device: torch.device) -> str | None:
-    """Why the operator ``func`` cannot be inside a captured step (None: it can)."""
+def refusal(func: Any, args: tuple, kwargs: dict, out: Any, device: torch.device,
+            host_state: frozenset[int] = frozenset()) -> str | None:
+    """Why the operator ``func`` cannot be inside a captured step (None: it can); ``host_state``:
+    the storages of the client's host tensors (a device kernel takes a host scalar's value, frozen
+    at capture)."""
     name = func.overloadpacket.__name__
     if name in MARKERS:
         return None
@@ -101,8 +104,12 @@ def refusal(func: Any, args: tuple, kwargs: dict, out: Any, device: torch.device
         outs = [o for o in flat_out if isinstance(o, torch.Tensor)]
         if any(o.device.type == "cpu" for o in outs) and any(t.device.type == "cuda" for t in tensors):
             return f"the step copies a device tensor to the host (aten.{name})"
-        if any(t.device.type == "cpu" and t.dim() > 0 for t in tensors) and any(o.device.type == "cuda" for o in outs):
+        to_device = any(o.device.type == "cuda" for o in outs)
+        if any(t.device.type == "cpu" and t.dim() > 0 for t in tensors) and to_device:
             return f"the step copies a host tensor to the device (aten.{name})"
+        if to_device and any(t.device.type == "cpu" and t.untyped_storage().data_ptr() in host_state for t in tensors):
+            return (f"aten.{name} reads a host scalar of the client's state, whose value a graph would freeze "
+                    "(keep it on the device)")
     return None
 
 
@@ -110,15 +117,15 @@ class _Checking(TorchDispatchMode):
     """Notes the first operator a graph cannot carry (``reason``), letting the step finish: the
     checked step is a real eager step, so a refusal leaves nothing half done."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host_state: frozenset[int] = frozenset()) -> None:
         super().__init__()
-        self.device, self.reason = device, None
+        self.device, self.host_state, self.reason = device, host_state, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.reason is None:
-            self.reason = refusal(func, args, kwargs, out, self.device)
+            self.reason = refusal(func, args, kwargs, out, self.device, self.host_state)
         return out
 
 
@@ -468,7 +475,8 @@ class ClientGraphs:
         if self.group is not None:
             self._hand_back(optimiser)
         before = structure(self.state, self._fixed())
-        checking = _Checking(self.device)
+        checking = _Checking(self.device, frozenset(t.untyped_storage().data_ptr() for t in before.leaves
+                                                    if t.device.type == "cpu" and t.numel()))
         with checking:
             parts = self.step_fn(self.state, optimiser, x, y)
         reason = checking.reason or _python_change(before, structure(self.state, self._fixed()))
