@@ -444,7 +444,7 @@ class ClientGraphs:
                 self.walked = structure(self.state, self._fixed())
                 if self.walked.reason is not None:
                     raise CaptureRefused(self.walked.reason)
-            group = self.graphs.groups.get(self._key())
+            group = self.group or self.graphs.groups.get(self._key())  # hashed once a client, not every step
             graph = group.graphs.get(_shape(x, y)) if group is not None else None
         except CaptureRefused as exc:
             self._give_up(str(exc), optimiser)
