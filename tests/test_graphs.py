@@ -148,7 +148,8 @@ def test_on_the_cpu_a_run_says_why_it_runs_eagerly_and_records_it(tmp_path, capl
     from fedlt.testing.algorithms import TINY
 
     with caplog.at_level("WARNING", logger="fedlt"):
-        summary = run(RunConfig(**dict(TINY, model="mlp", algorithm="fedavg", rounds=1, clients=2, graphs=True), out=tmp_path / "run"))
+        summary = run(RunConfig(**dict(TINY, model="mlp", algorithm="fedavg", rounds=1, clients=2, graphs=True),
+                                out=tmp_path / "run"))
     said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
     assert said == ["fedlt: --graphs leaves the local steps eager: CUDA graphs need a CUDA device; the steps run "
                     "eagerly on cpu"]

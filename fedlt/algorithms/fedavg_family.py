@@ -389,7 +389,8 @@ def graphs_notice(algorithm: Any, device: torch.device) -> str:
     if reason is not None:
         return f"fedlt: --graphs leaves the local steps eager: {reason}"
     if graphs.BACKEND != "cuda":
-        return f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} (for tests: no faster)"
+        return (f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} "
+                "(for tests: no faster)")
     return (f"fedlt: --graphs: each client's steps after its first replayed as one CUDA graph per batch shape on "
             f"{device} (the first round captures them)")
 

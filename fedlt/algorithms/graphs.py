@@ -557,7 +557,8 @@ class ClientGraphs:
             parts = backend.capture(run)
         except Exception as exc:  # a failed capture leaves the steps eager, said
             self._restore(saved)
-            raise CaptureRefused(f"capture failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise CaptureRefused(f"capture failed: {type(exc).__name__}: {first}") from exc
         self._restore(saved)  # the stand-in ran the step while recording; CUDA's capture ran nothing
         graph = Captured(backend, static_x, static_y, {k: v.detach() for k, v in parts.items()},
                          [p.grad for p in self.params])
@@ -616,7 +617,8 @@ def _python_change(before: Structure, after: Structure) -> str | None:
         return before.reason or after.reason
     if before.signature != after.signature:
         at = next((i for i, (a, b) in enumerate(zip(before.signature, after.signature)) if a != b), None)
-        return f"a step changes Python-level state of the objective or the variant ({after.signature[at] if at is not None else 'its structure'}), which a graph would freeze"
+        what = after.signature[at] if at is not None else "its structure"
+        return f"a step changes Python-level state of the objective or the variant ({what}), which a graph would freeze"
     moved = [i for i, (a, b) in enumerate(zip(before.leaves, after.leaves)) if a is not b]
     if moved:
         return "a step replaces a tensor of the objective or the variant by a new one (an out-of-place update), " \
