@@ -154,3 +154,20 @@ def test_on_the_cpu_a_run_says_why_it_runs_eagerly_and_records_it(tmp_path, capl
     assert said == ["fedlt: --graphs leaves the local steps eager: CUDA graphs need a CUDA device; the steps run "
                     "eagerly on cpu"]
     assert summary["graphs_fallback"] == "CUDA graphs need a CUDA device; the steps run eagerly on cpu"
+
+
+def test_a_random_operator_in_the_step_is_refused():
+    check = graphs._Checking(torch.device("cpu"))
+    with check:
+        torch.nn.functional.dropout(torch.ones(3), 0.5)
+    assert "draws random numbers" in check.reason
+
+
+def test_a_step_changing_python_state_is_refused():
+    state = graphs.StepState(objective={"t": torch.ones(1)}, local=[], weights=None, update=None)
+    before = graphs.structure(state, {})
+    state.local.append(1)  # a counter, a list a step appends to: a graph would freeze it
+    assert "changes Python-level state" in graphs._python_change(before, graphs.structure(state, {}))
+    state.local.pop()
+    state.objective["t"] = torch.zeros(1)  # an attribute set to a new tensor: the graph reads the old one
+    assert "replaces a tensor" in graphs._python_change(before, graphs.structure(state, {}))
