@@ -28,7 +28,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # the compiled launch path, stubbed below: nothing is interpreted
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # operators that launch nothing on a GPU: allocation and aliasing (metadata only)
@@ -54,8 +53,9 @@ class _Stub:
         jit.JITFunction.run = run
 
 
-def _probes(B: int, C: int, mode: str):
-    """(label, call) pairs: one forward + backward per call, through the public entry points."""
+def probes(B: int, C: int, mode: str, device="cpu"):
+    """(label, call) pairs: one forward + backward per call, through the public entry points
+    (benchmarks/launch_overhead.py times the same calls on a GPU)."""
     import torch
 
     import fedlt.losses as L
@@ -64,15 +64,15 @@ def _probes(B: int, C: int, mode: str):
     gen = torch.Generator().manual_seed(0)
     counts = torch.randint(1, 40, (C,), generator=gen).float()
     counts[C // 3: C // 2] = 0  # vacant classes: the KD and the suppression have work
-    y = counts.nonzero().flatten()[torch.randint(int((counts > 0).sum()), (B,), generator=gen)]
-    z = (torch.randn(B, C, generator=gen) * 3).requires_grad_(True)
-    teacher = torch.randn(B, C, generator=gen) * 3
+    y = counts.nonzero().flatten()[torch.randint(int((counts > 0).sum()), (B,), generator=gen)].to(device)
+    z = (torch.randn(B, C, generator=gen) * 3).to(device).requires_grad_(True)
+    teacher = (torch.randn(B, C, generator=gen) * 3).to(device)
     for expr in ("logit_adjust", "fedvls", "logit_suppression(variant='paper')"):
         loss = L.build(expr, class_counts=counts, fused=mode)
         yield expr, lambda loss=loss: torch.autograd.grad(loss(z, y, teacher_logits=teacher), [z])
     sizes = [B // 3, B // 3, B - 2 * (B // 3)] if B >= 3 else [B]
-    server = torch.log(counts / counts.sum() + 1e-12)
-    clients = torch.log(torch.rand(len(sizes), C, generator=gen, dtype=torch.float64) + 1e-12)
+    server = torch.log(counts / counts.sum() + 1e-12).to(device)
+    clients = torch.log(torch.rand(len(sizes), C, generator=gen, dtype=torch.float64) + 1e-12).to(device)
 
     def pair():
         s, c = offset_ce_pair(z, y, server, clients, sizes, fused=mode)
@@ -123,7 +123,7 @@ def measure(shape: tuple[int, int] = (10, 10), calls: int = 300, launch_us: floa
     dispatch.TRITON_DEVICES = ("cuda", "cpu")  # CPU tensors take the Triton path (stubbed)
     rows = []
     for mode in ("on", "off"):
-        for label, call in _probes(*shape, mode):
+        for label, call in probes(*shape, mode):
             call()  # first call: caches
             stub.launches = 0
             total, kernels, seen = _count(call)
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "0"  # before triton's import: the compiled launch path, stubbed
     B, C = (int(v) for v in args.shape.lower().split("x"))
     rows = measure((B, C), args.calls)
     for r in rows:

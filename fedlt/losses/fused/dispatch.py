@@ -134,14 +134,14 @@ class FusedObjective(torch.autograd.Function):
                 parts: tuple[Part, ...], impl: ModuleType) -> torch.Tensor:
         value, grad, scale = impl.objective(logits, targets, teacher, parts)
         ctx.save_for_backward(grad)
-        ctx.dtype, ctx.scale = logits.dtype, scale
+        ctx.dtype, ctx.scale, ctx.host = logits.dtype, scale, impl is cpu and grad.device.type == "cpu"
         return value if value.dtype == logits.dtype else value.to(logits.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, upstream: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        if grad.device.type != "cpu":  # the Triton path: scale 1, one multiplication, no host sync
+        if not ctx.host:  # the Triton path (scale 1): one multiplication, no host sync
             out = grad * (upstream if ctx.scale == 1.0 else upstream * ctx.scale)
             return (out if out.dtype == ctx.dtype else out.to(ctx.dtype)), None, None, None, None
         factor = upstream.to(grad.dtype) * ctx.scale
