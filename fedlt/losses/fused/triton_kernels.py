@@ -383,8 +383,11 @@ def _sgb(z_ptr, y_ptr, wpos_ptr, wneg_ptr, g_ptr, row_ptr, part_ptr, B, C, strid
         part = part_ptr + pid * C + cols
         tl.store(part, tl.sum(tl.where(own, tl.abs(g), 0.0), 0), mask=col_ok)
         tl.store(part + tl.num_programs(0) * C, tl.sum(tl.where(own, 0.0, tl.abs(g)), 0), mask=col_ok)
+    row = softplus
+    if SOFTMAX:
+        row = lse
     z_y = tl.load(z_ptr + rows * stride_z + y, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(row_ptr + rows, ((lse if SOFTMAX else softplus) - z_y) * inv_B, mask=row_ok)
+    tl.store(row_ptr + rows, (row - z_y) * inv_B, mask=row_ok)
 
 
 def sgb(logits: torch.Tensor, targets: torch.Tensor, w_pos: torch.Tensor, w_neg: torch.Tensor, base: str,
