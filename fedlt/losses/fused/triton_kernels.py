@@ -85,14 +85,28 @@ def _ce_kd_grad(z, t, y, cols, ok, col_ok, tab_ptr, C, lse, lz, lt, inv_T, ce_w,
 
 
 @triton.jit
-def _load(z_ptr, t_ptr, tab_ptr, rows, cols, ok, col_ok, C, stride_z, stride_t, HAS_KD: tl.constexpr):
-    """One tile of the logits and, for the KD, of the teacher's vacant columns (float32)."""
+def _tile(z_ptr, t_ptr, tab_ptr, rows, row_ok, c0, C, stride_z, stride_t, HAS_KD: tl.constexpr,
+          BLOCK_C: tl.constexpr):
+    """One class block of the rows: its columns and masks, the logits and, for the KD, the
+    teacher's vacant columns (float32)."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ok = row_ok[:, None] & col_ok[None, :]
     z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     t = z
     if HAS_KD:
         vac = tl.load(tab_ptr + C + cols, mask=col_ok, other=0.0) > 0
         t = tl.load(t_ptr + rows[:, None] * stride_t + cols[None, :], mask=ok & vac[None, :], other=0.0).to(tl.float32)
-    return z, t
+    return cols, col_ok, ok, z, t
+
+
+@triton.jit
+def _store_grad(g_ptr, g, rows, cols, ok, C, ACCUMULATE: tl.constexpr):
+    """Write a tile of the gradient (added to what an earlier group wrote, with ``ACCUMULATE``)."""
+    ptrs = g_ptr + rows[:, None] * C + cols[None, :]
+    if ACCUMULATE:
+        g += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, g, mask=ok)
 
 
 @triton.jit
@@ -113,10 +127,7 @@ def _rows(z_ptr, t_ptr, y_ptr, tab_ptr, g_ptr, val_ptr, work_ptr,
     m_ce, s_ce = zero + NEG_INF, zero
     m_z, s_z, m_t, s_t, acc = zero + NEG_INF, zero, zero + NEG_INF, zero, zero
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        ok = row_ok[:, None] & col_ok[None, :]
-        z, t = _load(z_ptr, t_ptr, tab_ptr, rows, cols, ok, col_ok, C, stride_z, stride_t, HAS_KD)
+        cols, col_ok, ok, z, t = _tile(z_ptr, t_ptr, tab_ptr, rows, row_ok, c0, C, stride_z, stride_t, HAS_KD, BLOCK_C)
         if HAS_CE:
             off = tl.load(tab_ptr + cols, mask=col_ok, other=0.0)
             m_ce, s_ce = _online(m_ce, s_ce, tl.where(ok, z + off[None, :], NEG_INF))
@@ -163,15 +174,10 @@ def _rows(z_ptr, t_ptr, y_ptr, tab_ptr, g_ptr, val_ptr, work_ptr,
     tl.store(val_ptr + rows, value, mask=row_ok)
     if GRAD:
         for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            col_ok = cols < C
-            ok = row_ok[:, None] & col_ok[None, :]
-            z, t = _load(z_ptr, t_ptr, tab_ptr, rows, cols, ok, col_ok, C, stride_z, stride_t, HAS_KD)
+            cols, col_ok, ok, z, t = _tile(z_ptr, t_ptr, tab_ptr, rows, row_ok, c0, C, stride_z, stride_t, HAS_KD,
+                                           BLOCK_C)
             g = _ce_kd_grad(z, t, y, cols, ok, col_ok, tab_ptr, C, lse, lz, lt, inv_T, ce_w, kd_gw, HAS_CE, HAS_KD)
-            ptrs = g_ptr + rows[:, None] * C + cols[None, :]
-            if ACCUMULATE:
-                g += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(ptrs, g, mask=ok)
+            _store_grad(g_ptr, g, rows, cols, ok, C, ACCUMULATE)
     else:
         tl.store(work_ptr + rows, lse, mask=row_ok)
         tl.store(work_ptr + B + rows, lz, mask=row_ok)
@@ -227,20 +233,14 @@ def _grad(z_ptr, t_ptr, y_ptr, tab_ptr, g_ptr, work_ptr, P,
     lz = tl.load(work_ptr + B + rows, mask=row_ok, other=0.0)
     lt = tl.load(work_ptr + 2 * B + rows, mask=row_ok, other=0.0)
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        ok = row_ok[:, None] & col_ok[None, :]
-        z, t = _load(z_ptr, t_ptr, tab_ptr, rows, cols, ok, col_ok, C, stride_z, stride_t, HAS_KD)
+        cols, col_ok, ok, z, t = _tile(z_ptr, t_ptr, tab_ptr, rows, row_ok, c0, C, stride_z, stride_t, HAS_KD, BLOCK_C)
         g = _ce_kd_grad(z, t, y, cols, ok, col_ok, tab_ptr, C, lse, lz, lt, inv_T, ce_w, kd_gw, HAS_CE, HAS_KD)
         k = tl.load(tab_ptr + 2 * C + cols, mask=col_ok, other=0.0)
         lse_c = tl.load(col_ptr + cols, mask=col_ok, other=0.0)
         coef = tl.load(col_ptr + C + cols, mask=col_ok, other=0.0)
         sup = coef[None, :] * tl.exp(z + k[None, :] - lse_c[None, :])
         g += tl.where(y[:, None] == cols[None, :], 0.0, sup)
-        ptrs = g_ptr + rows[:, None] * C + cols[None, :]
-        if ACCUMULATE:
-            g += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ptrs, g, mask=ok)
+        _store_grad(g_ptr, g, rows, cols, ok, C, ACCUMULATE)
 
 
 class _Launch(NamedTuple):
