@@ -7,7 +7,9 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
 
 1. ``doctor``: versions, the device, each fused kernel's check (``fedlt doctor``'s rows);
    ``overheads``: ``benchmarks/launch_overhead.py`` — µs per torch launch, per Triton launch and per
-   loss call (fused and eager, 10×10 and 4096×1000), issued and on the device;
+   loss call, fused and eager: ``logit_adjust`` at 10×10, and at 4096×1000 every probe of
+   ``benchmarks/fused_host.py`` through its public entry point (SCALA's pair and ``sgb`` too),
+   issued and on the device;
 2. ``kernels``: every Triton kernel against the float64 reference, value and gradient, float32
    and bfloat16, at several shapes (``fedlt.losses.fused.check``'s probes);
 3. ``fused_vs_eager``: forward+backward ms of the fused objective kernels against the eager
@@ -436,7 +438,7 @@ def overheads(device, sizes) -> dict:
     spec = importlib.util.spec_from_file_location("launch_overhead", Path(__file__).with_name("launch_overhead.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.measure(device, calls=20 if sizes is DRY else 200)
+    return module.measure(device, calls=20 if sizes is DRY else 200, large=sizes["fused_sizes"][0])
 
 
 SECTIONS = {"doctor": doctor, "overheads": overheads, "kernels": kernels, "fused_vs_eager": fused_vs_eager,
