@@ -286,7 +286,8 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
                                  device=str(device), graphs=on)
             after = step_graphs.totals()
             out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": p["rounds"],
-                          "first_round_s": rows[0]["train_s"], "accuracy": summary["final"]["accuracy"],
+                          "first_round_s": rows[0]["train_s"], "round_s": [r["train_s"] for r in rows],
+                          "accuracy": summary["final"]["accuracy"],
                           "loss": summary["final"]["loss"]}
             if on:
                 out[label] |= {"graphs_fallback": summary["graphs_fallback"],
