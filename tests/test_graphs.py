@@ -26,7 +26,20 @@ FEDAVG_FAMILY = [n for n in fedlt.algorithms.REGISTRY.list()
 
 @pytest.mark.parametrize("name", ["fedlogit", "fedprox", "fedvls"])
 def test_replayed_steps_equal_eager_bit_for_bit(name):
-    check_graphs(name)
+    check_graphs(name, replayed=True)  # captured, not a stated fallback
+
+
+def test_a_step_graph_kept_alive_is_seen_before_capture():
+    """A step's autograd graph that outlives it holds the parameters' AccumulateGrad nodes, bound
+    to its stream: CUDA invalidated every capture made while one lived (the H200 run of
+    2026-11-28: "operation failed due to a previous error during capture"). ``kept_graph`` sees
+    it on any device, and a step returns its parts detached."""
+    model = torch.nn.Linear(3, 2)
+    loss = model(torch.ones(4, 3)).sum()
+    loss.backward()
+    assert graphs.kept_graph(model, list(model.parameters())) == "weight"
+    del loss
+    assert graphs.kept_graph(model, list(model.parameters())) is None
 
 
 def test_what_cannot_be_captured_runs_eagerly_exactly_and_says_why():

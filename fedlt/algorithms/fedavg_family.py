@@ -185,7 +185,10 @@ class ClientUpdate:
         if private is None:  # DP-SGD's per-sample clip bounds the step instead
             schedule.clip_(params)
         optimiser.step()
-        return step_parts
+        # detached: a step's autograd graph must not outlive it — it holds the parameters'
+        # AccumulateGrad nodes, made on the stream of this step, and a graph captured while
+        # they live is invalidated on CUDA (the H200 run of 2026-11-28, docs/gpu.md)
+        return {name: value.detach() for name, value in step_parts.items()}
 
     def step_graphs(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter], step: Callable,
                     state: graphs.StepState, private: PrivateStep | None) -> graphs.ClientGraphs | None:

@@ -545,6 +545,10 @@ class ClientGraphs:
         """PyTorch's whole-network recipe on saved and restored state (weights, buffers, the
         canonical objects, momentum): warm-up steps, gradients set to None, the capture."""
         group, graphs = self.group, self.graphs
+        kept = kept_graph(self.model, self.params)
+        if kept is not None:
+            raise CaptureRefused(f"an autograd graph of an earlier step is still alive (it holds {kept}'s "
+                                 "AccumulateGrad, made on another stream: CUDA would invalidate the capture)")
         graphs.count += 1
         static_x, static_y = x.clone(), y.clone()
         backend = make_backend(self.backend, self.device)
@@ -605,6 +609,25 @@ class ClientGraphs:
         if self.last is not None:
             for p, g in zip(self.params, self.last.grads):
                 p.grad = g
+
+
+def kept_graph(model: nn.Module, params: Sequence[nn.Parameter]) -> str | None:
+    """The first of ``params`` (by its name in ``model``) whose AccumulateGrad node is kept alive
+    by an autograd graph that outlived its step (None: none). Such a node stays bound to the
+    stream it was made on; a backward captured on the capture stream then synchronises with it,
+    which invalidates the capture ("operation failed due to a previous error during capture", the
+    H200 run of 2026-11-28). Asked on every backend, so the CPU stand-in's contract catches it.
+    How: a parameter holds its node weakly; a mark set on it survives a second lookup only if
+    something else holds the node."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    with torch.enable_grad():
+        for p in params:
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            node.metadata["fedlt_probe"] = True
+            del node
+            if p.view_as(p).grad_fn.next_functions[0][0].metadata.pop("fedlt_probe", False):
+                return names.get(id(p), "a parameter")
+    return None
 
 
 def _shape(x: torch.Tensor, y: torch.Tensor) -> tuple:

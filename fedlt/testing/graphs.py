@@ -35,10 +35,12 @@ SCHEDULES = {"by iterations": {"local_iters": 5}, "by epochs": {"local_epochs": 
 BACKEND = "recorded"
 
 
-def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, **settings: Any) -> None:
+def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, *, replayed: bool = False,
+                 **settings: Any) -> None:
     """Check an algorithm (registered name or factory) with whole-step graphs on the CPU stand-in
     against its eager steps (see the module). ``settings`` override
-    :data:`fedlt.testing.algorithms.TINY` (default here: ``mlp``, 3 clients, all sampled)."""
+    :data:`fedlt.testing.algorithms.TINY` (default here: ``mlp``, 3 clients, all sampled).
+    ``replayed``: a stated fallback fails too (an algorithm whose steps must be captured)."""
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-graphs-") as tmp:
         c = Contract(f"algorithm {name!r}")
@@ -55,13 +57,14 @@ def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, **setting
                     fast = two_rounds(prep, config, LocalRunner())
             c.check(len(counts) > 1, "clients differ", f"{label}: every client has the same class counts, so a "
                     "graph reading another client's state could not be told apart")
-            _check_one(c, label, prep.algorithm, eager, fast)
+            _check_one(c, label, prep.algorithm, eager, fast, replayed)
 
 
-def _check_one(c: Contract, where: str, algorithm: Any, eager: Any, fast: Any) -> None:
+def _check_one(c: Contract, where: str, algorithm: Any, eager: Any, fast: Any, replayed: bool) -> None:
     gap, at = largest_gap(fast, eager)
     work = getattr(algorithm, "_work", None)
     reason = graphs_reason(algorithm) or graphs.failure(work)
+    c.check(not (replayed and reason), "replayed", f"{where}: its steps were to be captured, yet: {reason}")
     if reason is not None:
         c.check(bool(reason.strip()), "states its fallback", f"{where}: left eager without a reason")
         c.check(gap == 0, "same as eager", f"{where}: left eager ({reason}) yet differs at {at.lstrip('.')}")
