@@ -6,6 +6,7 @@ blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -105,3 +106,54 @@ def test_pair_kernel_matches_the_cpu_path(sizes, C, block_c):
         grad = tk.offset_ce_pair_grad(saved, state, up_s, up_c)
         ref = cpu.offset_ce_pair_grad(saved_ref, state_ref, up_s, up_c)
         close(grad, ref, 0.0, f"gradient (upstreams {up_s}, {up_c})")
+
+
+def test_a_fused_call_issues_few_operators_and_launches(monkeypatch):
+    """On a GPU a call is bound by the host (docs/fused.md): a forward + backward issues the few
+    operators the math needs and one launch per kernel, whatever was derived once stays cached.
+    The kernels are replaced by counting stubs (their results are not looked at)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fedlt.losses.fused import dispatch, offset_ce_pair
+
+    launches: list[str] = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    for name in ("_rows", "_cols", "_grad", "_pair_rows", "_pair_grad"):
+        monkeypatch.setattr(tk, name, Stub(name))
+    monkeypatch.setattr(dispatch, "TRITON_DEVICES", ("cuda", "cpu"))
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits, teacher, targets, counts = problem(64, 30, seed=3)
+    z = logits.requires_grad_(True)
+    sizes = [20, 20, 24]
+    server_offset = torch.log(counts / counts.sum() + 1e-12)
+    client_offsets = server_offset.repeat(3, 1)
+    up = (torch.tensor(1.0), torch.ones(3))
+    calls = {  # (outputs, their upstream gradients: None = ones_like, which autograd issues)
+        "logit_adjust": lambda loss=L.build("logit_adjust", class_counts=counts, fused="on"): (loss(z, targets), None),
+        "fedvls": lambda loss=L.build("fedvls", class_counts=counts, fused="on"): (
+            loss(z, targets, teacher_logits=teacher), None),
+        "pair": lambda: (offset_ce_pair(z, targets, server_offset, client_offsets, sizes, fused="on"), up),
+    }
+    expected = {"logit_adjust": (["empty", "empty", "sum", "ones_like", "mul"], ["_rows"]),
+                "fedvls": (["empty", "empty", "empty", "sum", "ones_like", "mul"], ["_rows", "_cols", "_grad"]),
+                # the K + 1 losses: one mv, and a view each; the backward recomputes the gradient
+                "pair": (["empty", "empty", "mv", "select", "slice", "empty_like"], ["_pair_rows", "_pair_grad"])}
+    for name, call in calls.items():
+        for counted in (False, True):  # the first call derives and caches what it can
+            ops, launches[:] = [], []
+            with Count() if counted else contextlib.nullcontext():
+                outputs, upstream = call()
+                torch.autograd.grad(outputs, [z], upstream)
+        assert (sorted(ops), launches) == (sorted(expected[name][0]), expected[name][1]), name
