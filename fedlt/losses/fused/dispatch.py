@@ -42,17 +42,18 @@ CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "sgb": (10, 10_000),
 }
 
-# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. The
-# device check (fused_vs_eager's per_probe rows, an H200, 2026-11-28; docs/fused.md) timed each
-# probe's forward+backward at 4096, 16384 and 65536 × 1000: both paths are bound by the host there
-# (~10 µs an operator issued, ~14 µs a Triton launch; benchmarks/launch_overhead.py) and the reference
-# issues fewer operators for plain CE — logit_adjust 0.33×, 0.30×, 0.67× — and SCALA's pair (0.63×,
-# 0.63×, 0.83×): never faster, so reference up to 2^27; the composites (fedvls 1.06×, 1.05×, 1.77×;
-# logit_suppression 0.72×, 0.71×, 1.46×) from 65536×1000. sgb (1.0–6.9× at every size) is not held back.
+# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. Read
+# from the device check's per_probe rows on the lean path (fused.md#triton-kernels: one launch
+# per objective without a suppression), three H200 runs on 2026-11-28 (docs/gpu.md), eager ÷
+# fused at 4096 / 16384 / 65536 × 1000: logit_adjust 0.44–0.74×, 0.74–1.47×, 1.06–1.57× (plain CE
+# is autograd's own floor below that: Triton only from 65536×1000, where all three runs had it
+# faster); fedvls 3.5–4.2×, logit_suppression 2.1–2.4×, SCALA's pair 1.65–1.84× already at
+# 4096×1000 (from there; smaller sizes were not measured, so the reference keeps them); sgb
+# (2.8–8.6× at every size) is not held back.
 CUDA_AUTO_RULES: dict[str, int] = {
-    "ce": 2**27,
-    "composite": 65536 * 1000,
-    "pair": 2**27,
+    "ce": 65536 * 1000,
+    "composite": 4096 * 1000,
+    "pair": 4096 * 1000,
 }
 
 
