@@ -157,3 +157,28 @@ def test_a_fused_call_issues_few_operators_and_launches(monkeypatch):
                 outputs, upstream = call()
                 torch.autograd.grad(outputs, [z], upstream)
         assert (sorted(ops), launches) == (sorted(expected[name][0]), expected[name][1]), name
+
+
+def test_a_recipes_table_follows_a_graph_transfer_of_the_objective():
+    """--graphs replays a step captured on the group's canonical objective with each client's
+    tensors copied into it (fedlt.algorithms.graphs.transfer): the per-client table the kernels
+    read (the logit adjustment's offsets) must be one of those tensors, not a copy the recipe's
+    cache keeps of the first client's (a replay would train every client on its offsets)."""
+    import copy
+
+    from fedlt.algorithms import graphs
+    from fedlt.losses.cache import DeviceCache
+    from fedlt.losses.fused.parts import OffsetCE, VacantKD
+
+    C, dev = 6, torch.device("cpu")
+    client = lambda sign: (OffsetCE(1.0, DeviceCache(sign * torch.arange(C, dtype=torch.float64))),  # noqa: E731
+                           VacantKD(0.5, DeviceCache(torch.tensor([0, 2, 3])), 2.0))
+    mine, theirs = client(1.0), client(-1.0)
+    for parts in (mine, theirs):  # each client's first (eager) step builds its own recipe
+        tk._recipe(parts, 8, C, dev, None)
+    canonical = copy.deepcopy(mine)  # the group's state, copied after the first client's first step
+    table = tk._recipe(canonical, 8, C, dev, None).launches[0].table  # what the captured kernels read
+    into, source = graphs.structure(canonical, {}), graphs.structure(theirs, {})
+    assert into.reason is None and into.signature == source.signature
+    graphs.transfer(into.leaves, source.leaves)
+    assert torch.equal(table[0], -torch.arange(C, dtype=torch.float32))

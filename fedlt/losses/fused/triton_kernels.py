@@ -275,6 +275,18 @@ def _groups(parts: Sequence[Part]) -> list[tuple[OffsetCE | None, VacantKD | Non
 
 
 def _table(ce: OffsetCE | None, kd: VacantKD | None, sup: Suppression | None, C: int, device) -> torch.Tensor:
+    """The group's (4, C) table, held by the first of its per-class vectors (DeviceCache.derived:
+    --graphs transfers it with the client's objective); a group without one has a constant table."""
+    make = lambda: _make_table(ce, kd, sup, C, device)  # noqa: E731
+    owner = next((c for c in (ce and ce.offset, kd and kd.vacant, sup and sup.p) if c is not None), None)
+    if owner is None:
+        return make()
+    key = ("fused table", C, device, kd is not None, None if sup is None else sup.weight,
+           None if sup is None else sup.variant)
+    return owner.derived(key, make)
+
+
+def _make_table(ce: OffsetCE | None, kd: VacantKD | None, sup: Suppression | None, C: int, device) -> torch.Tensor:
     table = torch.zeros(4, C, dtype=torch.float64)
     if ce is not None and ce.offset is not None:
         table[0] = ce.offset.vec
