@@ -190,3 +190,29 @@ def test_a_step_changing_python_state_is_refused():
     state.local.pop()
     state.objective["t"] = torch.zeros(1)  # an attribute set to a new tensor: the graph reads the old one
     assert "replaces a tensor" in graphs._python_change(before, graphs.structure(state, {}))
+
+
+def test_a_failed_cuda_capture_leaves_the_current_stream_as_it_found_it(monkeypatch):
+    """torch.cuda.graph's __exit__ runs capture_end before it restores the stream; when capture_end
+    raises (the H200's "operation failed due to a previous error during capture"), the eager steps
+    of the stated fallback must not stay on the capture stream. CUDA's calls stubbed: the order of
+    torch's own __exit__ (torch/cuda/graphs.py) is what is modelled."""
+    current = ["the caller's stream"]
+
+    class Graph:  # torch.cuda.graph: enters its capture stream; capture_end raises in __exit__
+        def __init__(self, cuda_graph):
+            pass
+
+        def __enter__(self):
+            current[0] = "the capture stream"
+
+        def __exit__(self, *exc):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        graphs.CudaGraph(torch.device("cuda")).capture(lambda: None)
+    assert current[0] == "the caller's stream"

@@ -147,8 +147,16 @@ class CudaGraph:
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     def capture(self, run: Callable[[], Any]) -> Any:
-        with torch.cuda.graph(self.graph):
-            return run()
+        before = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(self.graph):
+                return run()
+        except BaseException:
+            # torch.cuda.graph's exit calls capture_end before it leaves its stream context, so a
+            # capture that fails there (one invalidated earlier) leaves its capture stream current:
+            # every eager step after the stated fallback would run on it
+            torch.cuda.set_stream(before)
+            raise
 
     def replay(self) -> None:
         self.graph.replay()
