@@ -216,3 +216,33 @@ def test_a_failed_cuda_capture_leaves_the_current_stream_as_it_found_it(monkeypa
     with pytest.raises(RuntimeError, match="previous error during capture"):
         graphs.CudaGraph(torch.device("cuda")).capture(lambda: None)
     assert current[0] == "the caller's stream"
+
+
+_KEPT: list[torch.Tensor] = []
+
+
+@dataclass(frozen=True)
+class KeepsItsGraph(ClientUpdate):
+    """A variant whose loss outlives its step (held where the transfer does not look), and with it
+    the parameters' AccumulateGrad nodes."""
+
+    def terms(self, local, forward, objective, y, extra):
+        _KEPT[:] = [objective(forward.logits, y, **extra)]
+        return {OBJECTIVE: _KEPT[0]}
+
+
+class Keeps(FedAvgFamily):
+    def client_fn(self):
+        return KeepsItsGraph()
+
+
+def test_a_step_keeping_its_graph_runs_eagerly_said_and_leaves_no_group_behind(monkeypatch, caplog):
+    """Refused before the client's state is copied into a group (each refused client with a
+    signature of its own would otherwise leave a copy of its state behind, for the process)."""
+    made = []
+    new_group = graphs.ClientGraphs._new_group
+    monkeypatch.setattr(graphs.ClientGraphs, "_new_group", lambda self: made.append(1) or new_group(self))
+    with caplog.at_level("INFO", logger="fedlt"):
+        check_graphs(Keeps)  # equal to eager, its fallback stated
+    assert any("an autograd graph of an earlier step is still alive" in r.getMessage() for r in caplog.records)
+    assert made == []

@@ -497,6 +497,7 @@ class ClientGraphs:
             return parts
         grads = [p.grad for p in self.params]
         try:
+            _refuse_kept(self.model, self.params)  # before a group is made: a refusal leaves none behind
             self._enter(optimiser)
             self._capture(x, y)
         except CaptureRefused as exc:
@@ -553,10 +554,6 @@ class ClientGraphs:
         """PyTorch's whole-network recipe on saved and restored state (weights, buffers, the
         canonical objects, momentum): warm-up steps, gradients set to None, the capture."""
         group, graphs = self.group, self.graphs
-        kept = kept_graph(self.model, self.params)
-        if kept is not None:
-            raise CaptureRefused(f"an autograd graph of an earlier step is still alive (it holds {kept}'s "
-                                 "AccumulateGrad, made on another stream: CUDA would invalidate the capture)")
         graphs.count += 1
         static_x, static_y = x.clone(), y.clone()
         backend = make_backend(self.backend, self.device)
@@ -565,10 +562,13 @@ class ClientGraphs:
         try:
             backend.warm_up(run, WARMUP)
             self._restore(saved)
+            _refuse_kept(self.model, self.params)  # the warm-up's nodes were made on its side stream
             self.optimiser.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
             parts = backend.capture(run)
         except Exception as exc:  # a failed capture leaves the steps eager, said
             self._restore(saved)
+            if isinstance(exc, CaptureRefused):
+                raise
             first = (str(exc).splitlines() or [""])[0][:200]
             raise CaptureRefused(f"capture failed: {type(exc).__name__}: {first}") from exc
         self._restore(saved)  # the stand-in ran the step while recording; CUDA's capture ran nothing
@@ -636,6 +636,13 @@ def kept_graph(model: nn.Module, params: Sequence[nn.Parameter]) -> str | None:
             if p.view_as(p).grad_fn.next_functions[0][0].metadata.pop("fedlt_probe", False):
                 return names.get(id(p), "a parameter")
     return None
+
+
+def _refuse_kept(model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+    kept = kept_graph(model, params)
+    if kept is not None:
+        raise CaptureRefused(f"an autograd graph of an earlier step is still alive (it holds {kept}'s "
+                             "AccumulateGrad, made on another stream: CUDA would invalidate the capture)")
 
 
 def _shape(x: torch.Tensor, y: torch.Tensor) -> tuple:
