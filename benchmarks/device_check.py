@@ -22,7 +22,9 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
    ``first_round_s``), the CPU;
    ``graphs``: the same task one client after another, eager vs ``--graphs`` (whole-step CUDA
    graphs; the first round, which captures, apart), and every registered algorithm one round
-   with and without ``--graphs`` on the device (test-loss gap, the fallback reason);
+   with and without ``--graphs`` on the device (test-loss gap, the fallback reason), then
+   ``fedlogit`` and ``fedvls`` again with ``fused="on"`` (per-client tables read by the Triton
+   kernels inside the captured step);
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
 8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task (one
@@ -63,11 +65,11 @@ FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (16384, 1000), (65536, 1000)],
             reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
             scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True,
-            graphs_algorithms=None)
+            graphs_algorithms=None, graphs_fused_on=["fedlogit", "fedvls"])
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
            pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
            bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1),
-           graphs_algorithms=["fedavg"], compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
+           graphs_algorithms=["fedavg"], graphs_fused_on=["fedlogit"], compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
 # an algorithm whose defaults need more data than TINY_RUN's 600 images (FEDIC holds 100 a class out)
 SMALL_PARAMS = {"fedic": {"proxy_per_class": 5}}
 TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
@@ -310,16 +312,20 @@ def _graphs_algorithms(device, sizes, tmp: Path) -> dict:
     from fedlt.testing.algorithms import split_model_for
 
     rows = []
-    for name in sizes["graphs_algorithms"] or fedlt.algorithms.REGISTRY.list():
+    # the registry under fused="auto" (the reference at these sizes), then per-client offsets through
+    # the Triton kernels under capture (fused="on": each client's table must be the one replayed)
+    runs = [(name, {}) for name in sizes["graphs_algorithms"] or fedlt.algorithms.REGISTRY.list()]
+    for name, extra in runs + [(name, {"fused": "on"}) for name in sizes["graphs_fused_on"]]:
         # 6 steps a client: its first eager, the second checked and captured, the rest replayed
         base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1, local_iters=6, device=str(device),
-                    algorithm_params=SMALL_PARAMS.get(name, {}))
-        row: dict = {"algorithm": name}
+                    algorithm_params=SMALL_PARAMS.get(name, {})) | extra
+        tag = name + ("-fused" if extra else "")
+        row: dict = {"algorithm": name + (" (fused on)" if extra else "")}
         try:
             base["model"] = row["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
-            eager = _run(tmp / f"graphs-{name}-eager", **base)[0]
+            eager = _run(tmp / f"graphs-{tag}-eager", **base)[0]
             before = step_graphs.totals()
-            fast = _run(tmp / f"graphs-{name}-graphs", **base, graphs=True)[0]
+            fast = _run(tmp / f"graphs-{tag}-graphs", **base, graphs=True)[0]
             after = step_graphs.totals()
             row |= {"eager_loss": eager["final"]["loss"], "graphs_loss": fast["final"]["loss"],
                     "loss_gap": abs(eager["final"]["loss"] - fast["final"]["loss"]),
