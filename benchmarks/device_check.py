@@ -7,7 +7,9 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
 
 1. ``doctor``: versions, the device, each fused kernel's check (``fedlt doctor``'s rows);
    ``overheads``: ``benchmarks/launch_overhead.py`` — µs per torch launch, per Triton launch and per
-   loss call (fused and eager, 10×10 and 4096×1000), issued and on the device;
+   loss call, fused and eager: ``logit_adjust`` at 10×10, and at 4096×1000 every probe of
+   ``benchmarks/fused_host.py`` through its public entry point (SCALA's pair and ``sgb`` too),
+   issued and on the device;
 2. ``kernels``: every Triton kernel against the float64 reference, value and gradient, float32
    and bfloat16, at several shapes (``fedlt.losses.fused.check``'s probes);
 3. ``fused_vs_eager``: forward+backward ms of the fused objective kernels against the eager
@@ -18,6 +20,9 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
    one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, both
    again with ``--compile`` (CUDA graphs; the first round, which compiles, reported apart as
    ``first_round_s``), the CPU;
+   ``graphs``: the same task one client after another, eager vs ``--graphs`` (whole-step CUDA
+   graphs; the first round, which captures, apart), and every registered algorithm one round
+   with and without ``--graphs`` on the device (test-loss gap, the fallback reason);
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
 8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task (one
@@ -57,11 +62,12 @@ FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 
 FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (16384, 1000), (65536, 1000)],
             reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
-            scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True)
+            scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True,
+            graphs_algorithms=None)
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
            pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
            bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1),
-           compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
+           graphs_algorithms=["fedavg"], compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
 # an algorithm whose defaults need more data than TINY_RUN's 600 images (FEDIC holds 100 a class out)
 SMALL_PARAMS = {"fedic": {"proxy_per_class": 5}}
 TINY_RUN = dict(dataset="mnist", train_limit=600, test_limit=200, clients=6, participation=0.5, local_iters=2,
@@ -253,6 +259,82 @@ def pfllib_mnist(device, sizes, tmp: Path) -> dict:
     return out
 
 
+def graphs(device, sizes, tmp: Path) -> dict:
+    """``--graphs`` (docs/gpu.md#whole-step-cuda-graphs): PFLlib's task one client after another,
+    eager vs whole-step graphs (s a round over rounds 2–4, the first round — the captures — apart);
+    every registered algorithm one round on the device with and without ``--graphs`` (test-loss gap,
+    the fallback reason). On the CPU (the dry run) the graphs are the stand-in's: correctness only."""
+    from fedlt.algorithms import graphs as step_graphs
+
+    backend = "cuda" if device.type == "cuda" else "recorded"
+    out: dict = {"backend": backend + ("" if backend == "cuda" else " (the CPU stand-in: correctness, not speed)")}
+    with step_graphs.default_backend(backend):
+        out["pfllib_mnist"] = _graphs_pfllib(device, sizes, tmp)
+        out["algorithms"] = _graphs_algorithms(device, sizes, tmp)
+    return out
+
+
+def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
+    from fedlt.algorithms import graphs as step_graphs
+
+    base, p = _pfllib(sizes), sizes["pfllib"]
+    out: dict = {}
+    for label, on in (("device sequential", False), ("device sequential --graphs", True)):
+        try:  # one run's failure is its row's
+            before = step_graphs.totals()
+            summary, rows = _run(tmp / f"graphs-pfllib-{on}", **base, rounds=p["rounds"], eval_every=p["rounds"],
+                                 device=str(device), graphs=on)
+            after = step_graphs.totals()
+            out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": p["rounds"],
+                          "first_round_s": rows[0]["train_s"], "round_s": [r["train_s"] for r in rows],
+                          "accuracy": summary["final"]["accuracy"],
+                          "loss": summary["final"]["loss"]}
+            if on:
+                out[label] |= {"graphs_fallback": summary["graphs_fallback"],
+                               "captured": after["captured"] - before["captured"],
+                               "replayed_steps": after["replays"] - before["replays"]}
+        except Exception as exc:  # noqa: BLE001  (recorded, with its last frames)
+            out[label] = {"error": f"{type(exc).__name__}: {exc}"[:400],
+                          "where": traceback.format_exc().strip().splitlines()[-4:]}
+    eager, fast = out["device sequential"], out["device sequential --graphs"]
+    if "seconds_per_round" in eager and "seconds_per_round" in fast:
+        out["speedup"] = eager["seconds_per_round"] / fast["seconds_per_round"]
+        out["loss_gap"] = abs(eager["loss"] - fast["loss"])
+    return out
+
+
+def _graphs_algorithms(device, sizes, tmp: Path) -> dict:
+    import fedlt.algorithms
+    from fedlt.algorithms import graphs as step_graphs
+    from fedlt.config import RunConfig
+    from fedlt.testing.algorithms import split_model_for
+
+    rows = []
+    for name in sizes["graphs_algorithms"] or fedlt.algorithms.REGISTRY.list():
+        # 6 steps a client: its first eager, the second checked and captured, the rest replayed
+        base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1, local_iters=6, device=str(device),
+                    algorithm_params=SMALL_PARAMS.get(name, {}))
+        row: dict = {"algorithm": name}
+        try:
+            base["model"] = row["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
+            eager = _run(tmp / f"graphs-{name}-eager", **base)[0]
+            before = step_graphs.totals()
+            fast = _run(tmp / f"graphs-{name}-graphs", **base, graphs=True)[0]
+            after = step_graphs.totals()
+            row |= {"eager_loss": eager["final"]["loss"], "graphs_loss": fast["final"]["loss"],
+                    "loss_gap": abs(eager["final"]["loss"] - fast["final"]["loss"]),
+                    "graphs_fallback": fast.get("graphs_fallback"),
+                    "replayed_steps": after["replays"] - before["replays"]}
+        except Exception as exc:  # noqa: BLE001  (recorded; the next algorithm still runs)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            row["where"] = traceback.format_exc().strip().splitlines()[-4:]
+        rows.append(row)
+    gaps = [r["loss_gap"] for r in rows if "loss_gap" in r]
+    return {"rows": rows, "largest_loss_gap": max(gaps, default=None),
+            "replayed": [r["algorithm"] for r in rows if r.get("replayed_steps")],
+            "failed": [r["algorithm"] for r in rows if "error" in r]}
+
+
 def scala_s2(device, sizes, tmp: Path) -> dict:
     rounds = sizes["scala_rounds"]
     settings = dict(algorithm="scala", model="alexnet", split="s2", dataset="mnist", rounds=rounds, eval_every=rounds,
@@ -357,12 +439,12 @@ def overheads(device, sizes) -> dict:
     spec = importlib.util.spec_from_file_location("launch_overhead", Path(__file__).with_name("launch_overhead.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.measure(device, calls=20 if sizes is DRY else 200)
+    return module.measure(device, calls=20 if sizes is DRY else 200, large=sizes["fused_sizes"][0])
 
 
 SECTIONS = {"doctor": doctor, "overheads": overheads, "kernels": kernels, "fused_vs_eager": fused_vs_eager,
             "algorithms": algorithms,
-            "pfllib_mnist": pfllib_mnist, "scala_s2": scala_s2, "bf16": bf16,
+            "pfllib_mnist": pfllib_mnist, "graphs": graphs, "scala_s2": scala_s2, "bf16": bf16,
             "profile": profile, "resnet18_cifar": resnet18_cifar}
 
 

@@ -1,7 +1,10 @@
 """What one call costs on a device before any arithmetic (issue 43): a kernel launch from torch,
-a Triton launch, and the fused loss's forward+backward against the eager reference at a tiny
-batch (PFLlib's 10×10, launch-bound) and at 4096×1000 — wall µs per call over many calls, the
-device's own time per call (CUDA events), and torch.profiler's operators of the 4096×1000 calls.
+a Triton launch, and the fused loss's forward+backward against the eager reference — the plain
+objective (``logit_adjust``) at a tiny batch (PFLlib's 10×10, launch-bound), and at 4096×1000 every
+probe of benchmarks/fused_host.py (``logit_adjust``, ``fedvls``, ``logit_suppression(paper)``,
+SCALA's ``offset_ce_pair``, ``sgb``, each through its public entry point) — wall µs per call over
+many calls, the device's own time per call (CUDA events), and torch.profiler's operators of the
+4096×1000 ``logit_adjust`` calls.
 
     python benchmarks/launch_overhead.py [--device cuda] [--calls 200]
 
@@ -45,23 +48,6 @@ def _per_call(fn, calls: int, device) -> dict:
     return row
 
 
-def _loss_calls(device, B: int, C: int, fused: str):
-    import torch
-
-    import fedlt.losses as L
-
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.randint(1, 40, (C,), generator=gen).float()
-    y = torch.randint(C, (B,), generator=gen).to(device)
-    z = (torch.randn(B, C, generator=gen) * 3).to(device).requires_grad_(True)
-    loss = L.build("logit_adjust", class_counts=counts, fused=fused)
-
-    def call():
-        (g,) = torch.autograd.grad(loss(z, y), [z])
-        return g
-    return call
-
-
 def _operators(fn, device, calls: int = 20) -> list[dict]:
     import torch
 
@@ -92,8 +78,11 @@ def _triton_rows(device, calls: int) -> dict:
     return {"triton launch (a 2-argument kernel)": _per_call(lambda: _touch[(1,)](x, 16, BLOCK=16), calls, device)}
 
 
-def measure(device, calls: int = 200) -> dict:
+def measure(device, calls: int = 200, large: tuple[int, int] = (4096, 1000)) -> dict:
+    """``large``: the shape of every probe's row (the device check's dry run takes a small one)."""
     import torch
+
+    from fused_host import probes
 
     device = torch.device(device)
     x = torch.zeros(1, device=device)
@@ -101,12 +90,15 @@ def measure(device, calls: int = 200) -> dict:
     if device.type == "cuda":
         rows |= _triton_rows(device, calls)
     modes = ("off", "on") if device.type == "cuda" else ("off",)
-    for B, C in ((10, 10), (4096, 1000)):
+    for B, C in ((10, 10), large):
         for mode in modes:
-            label = f"logit_adjust fwd+bwd {B}x{C} {'fused' if mode == 'on' else 'eager'}"
-            rows[label] = _per_call(_loss_calls(device, B, C, mode), calls if B * C < 10**6 else calls // 4, device)
-    operators = {mode: _operators(_loss_calls(device, 4096, 1000, mode), device) for mode in modes}
-    return {"per_call": rows, "operators_4096x1000": operators}
+            for label, call in probes(B, C, mode, device):
+                if (B, C) != large and label != "logit_adjust":
+                    continue  # at 10×10 the plain objective alone (PFLlib's shape)
+                name = f"{label} fwd+bwd {B}x{C} {'fused' if mode == 'on' else 'eager'}"
+                rows[name] = _per_call(call, calls if B * C < 10**6 else calls // 4, device)
+    operators = {mode: _operators(next(probes(*large, mode, device))[1], device) for mode in modes}
+    return {"per_call": rows, f"operators_{large[0]}x{large[1]} (logit_adjust)": operators}
 
 
 def main(argv: list[str] | None = None) -> dict:

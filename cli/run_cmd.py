@@ -230,6 +230,9 @@ def run(
     compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="FedAvg family: each local step's "
                                             "forward and backward through torch.compile (CUDA graphs on CUDA; "
                                             "docs/gpu.md#compiled-steps)"),
+    graphs: Optional[bool] = typer.Option(None, "--graphs/--no-graphs", help="FedAvg family on CUDA: each client's "
+                                          "whole local step captured as a CUDA graph and replayed "
+                                          "(docs/gpu.md#whole-step-cuda-graphs)"),
     workers: Optional[str] = typer.Option(None, help="worker processes training the clients: N or auto (the cores); "
                                           "results are identical to 1 (docs/parallel.md)"),
     loader_workers: Optional[int] = typer.Option(None, help="DataLoader processes decoding images read from files "
@@ -289,6 +292,7 @@ def run(
                    rounds=rounds, server_batch=server_batch, local_iters=local_iters, batch_size=batch_size,
                    eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, fused=fused,
                    client_eval_fraction=client_eval_fraction, precision=precision, cohort=cohort, compile=compile_,
+                   graphs=graphs,
                    download=download, engine=engine, workers=workers, loader_workers=loader_workers, threads=threads,
                    out=resume or out, drop_last=drop_last, preset=preset, upload=upload, privacy=privacy, delta=delta,
                    target_epsilon=target_epsilon, stop_at_epsilon=stop_at_epsilon,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fedlt.augment as A
 from fedlt import wire
 from fedlt.algorithms.base import LocalSchedule
-from fedlt.algorithms.protocol import ClientTask, LocalRunner, client_rng
+from fedlt.algorithms.protocol import ClientTask, LocalRunner, client_rng, seed_forked
 from fedlt.config import RunConfig
 from fedlt.errors import FedltError
 from fedlt.testing.engines import differences
@@ -174,3 +174,17 @@ def test_a_suspended_split_session_replays_the_augmented_batch_it_was_holding():
     live, live_states = rounds(config, LocalRunner())
     suspended, suspended_states = rounds(config, SuspendingRunner())
     assert not differences(live, suspended, 0.0) and not differences(live_states, suspended_states, 0.0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1))
+def test_seeding_a_cpu_block_draws_what_torch_manual_seed_draws(seed):
+    """``seed_forked`` seeds the CPU generator alone when no CUDA device is forked (torch.manual_seed's
+    lazy CUDA queue formats a stack per call while CUDA is not initialised): the draws are the same."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        expected = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randperm(7))
+    with torch.random.fork_rng(devices=[]):
+        seed_forked(seed, [])
+        drawn = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randperm(7))
+    assert all(torch.equal(a, b) for a, b in zip(expected, drawn))

@@ -409,7 +409,7 @@ def test_auto_on_cuda_runs_the_reference_below_the_measured_sizes(monkeypatch):
     monkeypatch.setattr(dispatch, "triton_backend", lambda: asked.append(1) or None)
     floor = dispatch.CUDA_AUTO_RULES["ce"]
     for kind in ("OffsetCE", "ce", "OffsetCE+VacantKD+Suppression", "composite", "pair"):
-        assert dispatch.backend("auto", _CudaLogits(4096, 1000), kind) is None
+        assert dispatch.backend("auto", _CudaLogits(4095, 1000), kind) is None  # below every family's floor
     assert asked == []
     dispatch.backend("auto", _CudaLogits(floor // 1000 + 1, 1000), "OffsetCE")  # at the floor: Triton asked
     dispatch.backend("on", _CudaLogits(10, 10), "OffsetCE")

@@ -90,13 +90,12 @@ def test_a_failing_objective_kernel_warns_once_and_the_reference_runs(cpu_as_gpu
 
 def test_each_kernel_and_dtype_is_checked_on_its_own(cpu_as_gpu, monkeypatch):
     """A broken pair kernel leaves the objective kernel trusted; bfloat16 is checked apart."""
-    real = tk.offset_ce_pair
+    real = tk.offset_ce_pair_grad
 
-    def wrong_server_gradient(*args, **kwargs):
-        server, clients, g_server, g_clients, s_server, s_clients = real(*args, **kwargs)
-        return server, clients, g_server * 0.9, g_clients, s_server, s_clients
+    def wrong_gradient(*args, **kwargs):
+        return real(*args, **kwargs) * 0.9
 
-    monkeypatch.setattr(tk, "offset_ce_pair", wrong_server_gradient)
+    monkeypatch.setattr(tk, "offset_ce_pair_grad", wrong_gradient)
     logits, teacher, targets, counts = problem()
     offsets = torch.log(counts / counts.sum() + 1e-12)
     with pytest.warns(FusedKernelWarning, match="'pair' failed its check on cpu \\(float32\\): it disagrees"):

@@ -115,6 +115,7 @@ class LocalSchedule:
     precision: str = "fp32"  # "bf16": the forward under autocast (docs/gpu.md)
     drop_last: bool = False  # epochs: leave out each epoch's last partial batch (config drop_last)
     compile: str | None = None  # the step forward's torch.compile backend (fedlt.algorithms.compiled); None: eager
+    graphs: str | None = None  # whole-step graphs' backend (fedlt.algorithms.graphs: "cuda", "recorded"); None: eager
 
     def batches(self, n: int, generator: torch.Generator, device: torch.device | None = None) -> Iterator[torch.Tensor]:
         """The index batches, drawn on the host from ``generator`` (the same on every device);
@@ -237,6 +238,7 @@ class RunContext:
     cohort: int = 1  # FedAvg family: participants trained together in one vmapped step (fedlt.algorithms.cohort)
     drop_last: bool = False  # epoch-based training: each epoch's last partial batch left out (issue 41)
     compile: str | None = None  # --compile: the steps' torch.compile backend (fedlt.algorithms.compiled); None: eager
+    graphs: str | None = None  # --graphs: whole-step graphs' backend (fedlt.algorithms.graphs); None: eager
     # training images only the server holds, taken out before partitioning (an algorithm's
     # server_data_per_class: FEDIC's proxy set); None when the algorithm asks for none. A process
     # that rebuilds the run for client work (a Flower node) holds it too — it needs the hold-out
@@ -261,7 +263,8 @@ class RunContext:
         return LocalSchedule(batch if self.local_epochs is None else self.batch_size, iters=self.local_iters,
                              epochs=self.local_epochs, lr=self.lr, momentum=self.momentum,
                              weight_decay=self.weight_decay, clip=self.clip, augment=self.augment,
-                             precision=self.precision, drop_last=self.drop_last, compile=self.compile)
+                             precision=self.precision, drop_last=self.drop_last, compile=self.compile,
+                             graphs=self.graphs)
 
 
 class Algorithm(Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from dataclasses import is_dataclass
 from typing import Any, ClassVar
 
@@ -20,8 +21,8 @@ from torch import nn
 from torch.func import functional_call
 
 import fedlt.augment
-from fedlt.algorithms import compiled, preset
-from fedlt.algorithms.base import (AggregatorSpec, ClientData, LossExpression, NonFiniteLoss, RunContext,
+from fedlt.algorithms import compiled, graphs, preset
+from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, NonFiniteLoss, RunContext,
                                    backward_precision, build_aggregator, build_objective, channels_last, client_generator,
                                    forward_precision, place_model, proportional_batches, upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
@@ -145,32 +146,71 @@ class ClientUpdate:
         local = self.begin(task, model, params)
         private = private_step(task, objective)
         forward = self.step_forward(task, model) if private is None else model  # DP-SGD: its own per-sample forward
+        step = partial(self.one_step, task.schedule, model, forward, params, private)
+        state = graphs.StepState(objective, local, task.weights if objective.needs_teacher else None, self)
+        replay = self.step_graphs(task, model, params, step, state, private)
         parts: dict[str, list[torch.Tensor]] = {}  # kept on the device: one host synchronisation per round
         steps = 0
         for x, y in task.data.batches(index_batches(task, generator, private)):
             x = augment(x).contiguous(memory_format=layout) if x.dim() == 4 else augment(x)
-            extra: dict[str, Any] = {}
-            optimiser.zero_grad(set_to_none=True)
-            with forward_precision(task.schedule.precision, x.device):  # the forward and the loss; backward outside
-                if objective.needs_teacher:
-                    extra["teacher_logits"] = upcast(teacher_logits(model, task.weights, x))
-                if objective.needs_params:
-                    extra["params"] = params
-                step_parts = (self.backward(local, forward, params, objective, x, y, extra) if private is None
-                              else private.parts(model, params, objective, x, y, extra))
+            step_parts = replay.step(optimiser, x, y) if replay is not None and steps else step(state, optimiser, x, y)
             for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
-            self.correct(local, params)
-            if private is None:  # DP-SGD's per-sample clip bounds the step instead
-                task.schedule.clip_(params)
-            optimiser.step()
             self.stepped(local, model, x, y, steps)
             steps += 1
+        if replay is not None:
+            replay.finish(optimiser)
         train_loss = check_parts(parts, steps, task)
         own, extras = self.end(local, task, model, params, steps)
         state = ({"loss": objective.state_dict()} if objective.state_dict() else {}) | own
         weights = self.upload(local, task, model, own)
         return ClientResult(task.cid, weights, len(task.data), steps, train_loss, state, extras=extras)
+
+    def one_step(self, schedule: LocalSchedule, model: nn.Module, forward: Any, params: list[nn.Parameter],
+                 private: PrivateStep | None, state: graphs.StepState, optimiser: torch.optim.Optimizer,
+                 x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One local step on the minibatch (x, y) — the loss's parts and their gradients,
+        ``correct``, the clip, the optimiser's step — reading the client's objects from ``state``
+        only (a captured graph replays it on the objects it was captured with: fedlt.algorithms.graphs)."""
+        objective, local, extra = state.objective, state.local, {}
+        optimiser.zero_grad(set_to_none=True)
+        with forward_precision(schedule.precision, x.device):  # the forward and the loss; backward outside
+            if objective.needs_teacher:
+                extra["teacher_logits"] = upcast(teacher_logits(model, state.weights, x))
+            if objective.needs_params:
+                extra["params"] = params
+            step_parts = (self.backward(local, forward, params, objective, x, y, extra) if private is None
+                          else private.parts(model, params, objective, x, y, extra))
+        self.correct(local, params)
+        if private is None:  # DP-SGD's per-sample clip bounds the step instead
+            schedule.clip_(params)
+        optimiser.step()
+        # detached: a step's autograd graph must not outlive it — it holds the parameters'
+        # AccumulateGrad nodes, made on the stream of this step, and a graph captured while
+        # they live is invalidated on CUDA (the H200 run of 2026-11-28, docs/gpu.md)
+        return {name: value.detach() for name, value in step_parts.items()}
+
+    def step_graphs(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter], step: Callable,
+                    state: graphs.StepState, private: PrivateStep | None) -> graphs.ClientGraphs | None:
+        """Under ``--graphs`` (a schedule with a backend) the replayer of this client's steps
+        after its first (fedlt.algorithms.graphs), or None: eager steps (the reason noted)."""
+        backend = task.schedule.graphs
+        if backend is None:
+            return None
+        reason = (graph_reason(type(self)) or graphs.device_reason(backend, task.data.x.device)
+                  or ("DP-SGD's per-sample step (--privacy sample_level) runs eagerly" if private is not None else None)
+                  or ("--precision bf16: autocast's weight cache cannot be captured (PyTorch's CUDA graphs notes)"
+                      if task.schedule.precision != "fp32" else None))
+        if reason is None:
+            s = task.schedule
+            settings = (type(self).__qualname__, tuple(trainable_names(model)), s.lr, s.momentum, s.weight_decay,
+                        s.clip, s.precision, model.training)
+            replay = graphs.ClientGraphs(backend, model, params, state, step, s.optimiser, settings)
+            reason = replay.failed
+        if reason is not None:
+            graphs.left_eager(model, reason)
+            return None
+        return replay
 
     def step_forward(self, task: ClientTask, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
         """The module the step's ``parts`` calls: ``model`` itself, or under ``--compile`` (a
@@ -196,6 +236,9 @@ class ClientUpdate:
     # why a cohort (fedlt.algorithms.cohort) must not batch this loop although it could: its
     # result would not equal the sequential one within the cohort's tolerance
     cohort_refusal: ClassVar[str | None] = None
+    # why whole-step graphs (fedlt.algorithms.graphs, --graphs) must not capture this loop's
+    # steps although the structural transfer could: state the step reads that it cannot see
+    graphs_refusal: ClassVar[str | None] = None
 
     def step_input(self, local: Any, x: torch.Tensor) -> torch.Tensor:
         """The input the step's forward runs on, drawn in the client's stream: the minibatch x
@@ -303,16 +346,18 @@ def compile_notice(algorithm: Any, device: torch.device) -> str:
     return f"fedlt: --compile: the local steps' forward and backward compiled on {device} (the first round compiles)"
 
 
-def _update_reason(update: Any, owner: str) -> str | None:
-    """``step_reason`` of a ``ClientUpdate`` variant and of the variants it runs inside (a wrapper's
-    fields: FedLoGe's head around its update, FedReLa's relabelling around that)."""
+def _update_reason(update: Any, owner: str, own_reason: Callable[[type], str | None] = None) -> str | None:
+    """``own_reason`` (``step_reason`` by default) of a ``ClientUpdate`` variant and of the variants
+    it runs inside (a wrapper's fields: FedLoGe's head around its update, FedReLa's relabelling
+    around that)."""
+    own_reason = own_reason or step_reason
     update = _PLAIN if update is client_update else update
     inner = [v for v in getattr(update, "__dict__", {}).values()
              if isinstance(v, ClientUpdate) or v is client_update or (is_dataclass(v) and not isinstance(v, type))]
     if not isinstance(update, ClientUpdate) and not inner:
         return f"{owner}'s client work is not a ClientUpdate loop"
-    own = step_reason(type(update)) if isinstance(update, ClientUpdate) else None
-    return own or next((r for r in (_update_reason(v, owner) for v in inner) if r is not None), None)
+    own = own_reason(type(update)) if isinstance(update, ClientUpdate) else None
+    return own or next((r for r in (_update_reason(v, owner, own_reason) for v in inner) if r is not None), None)
 
 
 def compile_fallback(algorithm: Any) -> str | None:
@@ -320,6 +365,45 @@ def compile_fallback(algorithm: Any) -> str | None:
     algorithm's reason (:func:`compile_reason`), else the first compilation failure of its work
     module in this process (None: every step this process ran was compiled)."""
     return compile_reason(algorithm) or compiled.failure(getattr(algorithm, "_work", None))
+
+
+def graph_reason(update: type[ClientUpdate]) -> str | None:
+    """Why a variant's steps cannot be captured as whole-step graphs (None: they can): work
+    between steps in Python (``stepped``: APFL's second model), a two-pass step that moves the
+    weights in Python (``ascent``: SAM), or the variant's own stated refusal (``graphs_refusal``)."""
+    if update.stepped is not ClientUpdate.stepped:
+        return f"{update.__name__} overrides ClientUpdate.stepped (a second model's step after each step, in Python)"
+    if update.ascent is not ClientUpdate.ascent:
+        return f"{update.__name__} overrides ClientUpdate.ascent (a two-pass step: the weights moved by ε and back)"
+    return update.graphs_refusal
+
+
+def graphs_reason(algorithm: Any) -> str | None:
+    """Why ``--graphs`` leaves ``algorithm``'s local steps eager (None: they are captured)."""
+    fn = algorithm.client_fn() if isinstance(algorithm, Federated) else None
+    if fn is None:
+        return f"{type(algorithm).__name__} is not one call per client per round (split learning runs sessions)"
+    return _update_reason(fn, type(algorithm).__name__, graph_reason)
+
+
+def graphs_notice(algorithm: Any, device: torch.device) -> str:
+    """The line a run with ``--graphs`` starts with: why its steps stay eager, or what it captures."""
+    reason = graphs_reason(algorithm) or graphs.device_reason(graphs.BACKEND, device)
+    if reason is not None:
+        return f"fedlt: --graphs leaves the local steps eager: {reason}"
+    if graphs.BACKEND != "cuda":
+        return (f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} "
+                "(for tests: no faster)")
+    return (f"fedlt: --graphs: each client's steps after its first replayed as one CUDA graph per batch shape on "
+            f"{device} (the first round captures them)")
+
+
+def graphs_fallback(algorithm: Any, device: torch.device) -> str | None:
+    """Why a run with ``--graphs`` trained eagerly (``summary.json``'s ``graphs_fallback``): the
+    algorithm's or the device's reason, else the first refusal met in this process (None: every
+    step after a client's first was replayed)."""
+    return (graphs_reason(algorithm) or graphs.device_reason(graphs.BACKEND, device)
+            or graphs.failure(getattr(algorithm, "_work", None)))
 
 
 def private_step(task: ClientTask, objective: Any) -> PrivateStep | None:

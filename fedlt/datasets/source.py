@@ -58,6 +58,9 @@ class ImageSource(Protocol):
 Images = torch.Tensor | ImageSource
 
 
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 class TensorImages:
     """The ImageSource view of an in-memory tensor: indexing, ``split`` and ``cat``, as before."""
 
@@ -91,7 +94,12 @@ class TensorImages:
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         x = self.x
         for idx in index_batches:
-            yield x[idx], labels[idx]
+            if isinstance(idx, torch.Tensor) and idx.dtype in INDEX_DTYPES:  # the loop's own minibatches
+                # one gather each, without advanced indexing's argument parsing: 20 vs 41 µs a step
+                # on the CPU (docs/benchmarks.md), the same values
+                yield x.index_select(0, idx), labels.index_select(0, idx)
+            else:
+                yield x[idx], labels[idx]
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         return iter(self.x.split(size))

@@ -41,7 +41,7 @@ import fedlt.partitioners
 from fedlt import io, rundir
 from fedlt.algorithms.base import NonFiniteLoss, from_spec
 from fedlt.algorithms.cohort import cohort_fallback
-from fedlt.algorithms.fedavg_family import compile_fallback, compile_notice
+from fedlt.algorithms.fedavg_family import compile_fallback, compile_notice, graphs_fallback, graphs_notice
 from fedlt.algorithms.protocol import ClientRunner, copy_tensors
 from fedlt.config import RunConfig, recorded as recorded_config
 from fedlt.datasets.source import images
@@ -331,6 +331,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
                 LOG.warning(f"fedlt: --cohort {config.cohort} falls back to one client at a time: {fallback}")
             if config.compile:  # what --compile does here, said once (docs/gpu.md#compiled-steps)
                 LOG.warning(compile_notice(prep.algorithm, torch.device(config.device)))
+            if config.graphs:  # docs/gpu.md#whole-step-cuda-graphs
+                LOG.warning(graphs_notice(prep.algorithm, torch.device(config.device)))
             if on_start is not None:
                 on_start(state.round)
             RoundLoop(prep, state, runner, on_round, stop_requested).run()
@@ -343,6 +345,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
             summary["cohort_fallback"] = fallback or getattr(runner, "first_fallback", None)
         if config.compile:
             summary["compile_fallback"] = compile_fallback(prep.algorithm)
+        if config.graphs:
+            summary["graphs_fallback"] = graphs_fallback(prep.algorithm, torch.device(config.device))
         io.write_json(Path(config.out) / "summary.json", summary)
         return summary
 

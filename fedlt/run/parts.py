@@ -28,7 +28,7 @@ import fedlt.client_tests
 import fedlt.datasets
 import fedlt.models
 import fedlt.partitioners
-from fedlt.algorithms import compiled
+from fedlt.algorithms import compiled, graphs
 from fedlt.algorithms.base import ClientData, RunContext
 from fedlt.algorithms.protocol import ClientRunner, ClientStates, LocalRunner
 from fedlt.algorithms.split import classifier_of
@@ -204,6 +204,7 @@ def run_context(config: RunConfig, model_spec: ModelSpec, input_shape: tuple, co
         drop_last=config.drop_last,  # issue 41
         server_data=None if server is None else server.on(device, model_spec.num_classes),
         compile=compiled.BACKEND if config.compile else None,  # issue 43 (docs/gpu.md#compiled-steps)
+        graphs=graphs.BACKEND if config.graphs else None,  # docs/gpu.md#whole-step-cuda-graphs
     )
 
 

@@ -28,6 +28,7 @@ with the component and the name of the property, e.g.
 | algorithm, on a (pretend) device | :func:`check_device` |
 | algorithm, trained in vmapped cohorts | :func:`check_cohort` |
 | algorithm, its steps through torch.compile | :func:`check_compile` |
+| algorithm, its whole steps captured as graphs | :func:`check_graphs` |
 | update transform (uploads) | :func:`check_transform` |
 """
 
@@ -46,8 +47,9 @@ from fedlt.testing.server_steps import check_server_step
 from fedlt.testing.device import check_device
 from fedlt.testing.cohort import check_cohort
 from fedlt.testing.compiled import check_compile
+from fedlt.testing.graphs import check_graphs
 from fedlt.testing.transforms import check_transform
 
 __all__ = ["ContractError", "check_loss_term", "check_partitioner", "check_client_test", "check_model", "check_splitter", "check_head",
            "check_aggregator", "check_dataset", "check_algorithm", "check_engines", "EngineCheck", "check_parallel",
-           "check_server_step", "check_device", "check_cohort", "check_compile", "check_transform"]
+           "check_server_step", "check_device", "check_cohort", "check_compile", "check_graphs", "check_transform"]

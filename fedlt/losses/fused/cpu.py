@@ -370,8 +370,8 @@ def sgb(logits: torch.Tensor, targets: torch.Tensor, w_pos: torch.Tensor, w_neg:
 def offset_ce_pair(logits: torch.Tensor, targets: torch.Tensor, server_offset: torch.Tensor,
                    client_offsets: torch.Tensor, sizes: Sequence[int]):
     """SCALA's losses from one set of server logits (see :func:`fedlt.losses.fused.offset_ce_pair`):
-    (server value, the K client values, G_s, G_c, s_s, s_c) with gradients s_s·G_s (s_s = 1/B) and
-    s_c ⊙ G_c (s_c: 1/B_k per row, a column vector), applied in the backward's multiplication."""
+    (server value, the K client values, saved tensors, state): the saved G_s, G_c with gradients
+    G_s/B and s_c ⊙ G_c (s_c: 1/B_k per row), applied by :func:`offset_ce_pair_grad`."""
     zf = logits.detach().to(work_dtype(logits.dtype))
     B = zf.shape[0]
     rows = torch.arange(B, device=zf.device)
@@ -390,4 +390,18 @@ def offset_ce_pair(logits: torch.Tensor, targets: torch.Tensor, server_offset: t
     client_value = torch.zeros(len(sizes), dtype=torch.float64, device=zf.device).index_add_(
         0, segment, ((lse_c - a_y_c) * scale).double())
     Pc[rows, targets] -= 1.0
-    return server_value.to(zf.dtype), client_value.to(zf.dtype), P, Pc, 1.0 / B, scale.unsqueeze(1)
+    return server_value.to(zf.dtype), client_value.to(zf.dtype), (P, Pc, scale.unsqueeze(1), segment), 1.0 / B
+
+
+def offset_ce_pair_grad(saved: tuple[torch.Tensor, ...], s_server: float, up_server: torch.Tensor | None,
+                        up_clients: torch.Tensor | None) -> torch.Tensor | None:
+    """up_server·s_server·G_s + (each row's client's upstream)·s_c ⊙ G_c; either upstream may be None."""
+    g_server, g_clients, s_clients, segment = saved
+    grad = None
+    if up_server is not None:
+        grad = g_server * (up_server.to(g_server.dtype) * s_server)
+    if up_clients is not None:
+        up = up_clients.to(g_clients.dtype)[segment].unsqueeze(1)  # each row: its client's upstream
+        term = g_clients * (s_clients * up)
+        grad = term if grad is None else grad.add_(term)
+    return grad

@@ -42,20 +42,22 @@ CPU_AUTO_RULES: dict[str, tuple[int, int]] = {
     "sgb": (10, 10_000),
 }
 
-# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. The
-# device check (fused_vs_eager's per_probe rows, an H200, 2026-11-28; docs/fused.md) timed each
-# probe's forward+backward at 4096, 16384 and 65536 × 1000: both paths are bound by the host there
-# (~10 µs an operator issued, ~14 µs a Triton launch; benchmarks/launch_overhead.py) and the reference
-# issues fewer operators for plain CE — logit_adjust 0.33×, 0.30×, 0.67× — and SCALA's pair (0.63×,
-# 0.63×, 0.83×): never faster, so reference up to 2^27; the composites (fedvls 1.06×, 1.05×, 1.77×;
-# logit_suppression 0.72×, 0.71×, 1.46×) from 65536×1000. sgb (1.0–6.9× at every size) is not held back.
+# auto on CUDA: objective family -> the fewest logits B·C from which the Triton kernels run. Read
+# from the device check's per_probe rows on the lean path (fused.md#triton-kernels: one launch
+# per objective without a suppression), three H200 runs on 2026-11-28 (docs/gpu.md), eager ÷
+# fused at 4096 / 16384 / 65536 × 1000: logit_adjust 0.44–0.74×, 0.74–1.47×, 1.06–1.57× (plain CE
+# is autograd's own floor below that: Triton only from 65536×1000, where all three runs had it
+# faster); fedvls 3.5–4.2×, logit_suppression 2.1–2.4×, SCALA's pair 1.65–1.84× already at
+# 4096×1000 (from there; smaller sizes were not measured, so the reference keeps them); sgb
+# (2.8–8.6× at every size) is not held back.
 CUDA_AUTO_RULES: dict[str, int] = {
-    "ce": 2**27,
-    "composite": 65536 * 1000,
-    "pair": 2**27,
+    "ce": 65536 * 1000,
+    "composite": 4096 * 1000,
+    "pair": 4096 * 1000,
 }
 
 
+@functools.cache  # a handful of kinds; every loss call under auto asks
 def family(kind: str) -> str:
     """The CPU_AUTO_RULES row of a parts key (``"OffsetCE"``, ``"OffsetCE+VacantKD+Suppression"``...)."""
     if kind in CPU_AUTO_RULES:
@@ -125,22 +127,26 @@ def backend(mode: str, logits: torch.Tensor, kind: str) -> ModuleType | None:
 
 # -- autograd wrappers: the value forward, the precomputed gradient backward ---------------------
 class FusedObjective(torch.autograd.Function):
-    """Σ parts(logits) with its gradient computed in the forward; backward scales it."""
+    """Σ parts(logits) with its gradient computed in the forward; backward scales it. On a GPU
+    each operator costs the host ~10 µs (docs/fused.md): nothing here issues one it can avoid."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None,
                 parts: tuple[Part, ...], impl: ModuleType) -> torch.Tensor:
         value, grad, scale = impl.objective(logits, targets, teacher, parts)
         ctx.save_for_backward(grad)
-        ctx.dtype, ctx.scale = logits.dtype, scale
-        return value.to(logits.dtype)
+        ctx.dtype, ctx.scale, ctx.host = logits.dtype, scale, impl is cpu and grad.device.type == "cpu"
+        return value if value.dtype == logits.dtype else value.to(logits.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, upstream: torch.Tensor):
         (grad,) = ctx.saved_tensors
+        if not ctx.host:  # the Triton path (scale 1): one multiplication, no host sync
+            out = grad * (upstream if ctx.scale == 1.0 else upstream * ctx.scale)
+            return (out if out.dtype == ctx.dtype else out.to(ctx.dtype)), None, None, None, None
         factor = upstream.to(grad.dtype) * ctx.scale
-        if grad.dtype == ctx.dtype and grad.device.type == "cpu" and factor.numel() == 1 and float(factor) == 1.0:
+        if grad.dtype == ctx.dtype and factor.numel() == 1 and float(factor) == 1.0:
             # loss.backward() on an unweighted composite: the gradient is ready, skip a B×C pass
             # (reading the factor is free on the CPU; elsewhere it would synchronise). The saved
             # tensor itself goes downstream: a hook that edits it in place breaks a second
@@ -157,29 +163,27 @@ def objective_value(parts: tuple[Part, ...], logits: torch.Tensor, targets: torc
 
 
 class _OffsetCEPair(torch.autograd.Function):
+    """SCALA's two losses as two outputs of one node; ``impl.offset_ce_pair`` returns them with what
+    its ``offset_ce_pair_grad`` needs (the torch path: both gradients; the Triton kernels: the
+    row statistics, from which the backward recomputes the gradient in one launch)."""
+
     @staticmethod
     def forward(ctx: Any, logits, targets, server_offset, client_offsets, sizes, impl):
         ctx.set_materialize_grads(False)  # a loss not backpropagated costs no B×C pass
-        server, clients, g_server, g_clients, s_server, s_clients = impl.offset_ce_pair(
-            logits, targets, server_offset, client_offsets, sizes)
-        segment = torch.repeat_interleave(torch.arange(len(sizes), device=logits.device),
-                                          torch.tensor(sizes, device=logits.device))
-        ctx.save_for_backward(g_server, g_clients, s_clients, segment)
-        ctx.dtype, ctx.s_server = logits.dtype, s_server
-        return server.to(logits.dtype), clients.to(logits.dtype)
+        server, clients, saved, state = impl.offset_ce_pair(logits, targets, server_offset, client_offsets, sizes)
+        ctx.save_for_backward(*saved)
+        ctx.dtype, ctx.state, ctx.impl = logits.dtype, state, impl
+        if server.dtype != logits.dtype:
+            server, clients = server.to(logits.dtype), clients.to(logits.dtype)
+        return server, clients
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, up_server, up_clients):
-        g_server, g_clients, s_clients, segment = ctx.saved_tensors
-        grad = None
-        if up_server is not None:
-            grad = g_server * (up_server.to(g_server.dtype) * ctx.s_server)
-        if up_clients is not None:
-            up = up_clients.to(g_clients.dtype)[segment].unsqueeze(1)  # each row: its client's upstream
-            term = g_clients * (up if s_clients is None else s_clients * up)
-            grad = term if grad is None else grad.add_(term)
-        return (None if grad is None else grad.to(ctx.dtype)), None, None, None, None, None
+        if up_server is None and up_clients is None:
+            return None, None, None, None, None, None
+        grad = ctx.impl.offset_ce_pair_grad(ctx.saved_tensors, ctx.state, up_server, up_clients)
+        return (grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)), None, None, None, None, None
 
 
 def pair_offsets(server_objective: Any, client_objectives: Sequence[Any],

@@ -51,9 +51,21 @@ def use_checker(check_kernel: Callable[[str, torch.device, torch.dtype, ModuleTy
     _CHECKER[:] = [check_kernel]
 
 
+# every loss call asks: its answer per (kind, device, dtype), one dictionary look-up
+_answers: dict[tuple[str, torch.device, torch.dtype], bool] = {}
+
+
 def trusted(kind: str, logits: torch.Tensor, impl: ModuleType) -> bool:
     """Whether ``impl``'s kernel for ``kind`` passed its check on ``logits``' device and dtype
     (checked now, once per process, if it never was; a failure warns once)."""
+    fast = (kind, logits.device, logits.dtype)
+    answer = _answers.get(fast)
+    if answer is None:
+        answer = _answers[fast] = _check(kind, logits, impl)
+    return answer
+
+
+def _check(kind: str, logits: torch.Tensor, impl: ModuleType) -> bool:
     key = (kernel_of(kind), str(logits.device), logits.dtype)
     result = _checks.get(key)
     if result is None:
@@ -63,13 +75,14 @@ def trusted(kind: str, logits: torch.Tensor, impl: ModuleType) -> bool:
         if not result.passed:
             warnings.warn(f"fused loss: the Triton kernel {result.kernel!r} failed its check on {result.device} "
                           f"({result.dtype}): {result.detail}; running the reference path there",
-                          FusedKernelWarning, stacklevel=5)
+                          FusedKernelWarning, stacklevel=6)
     return result.passed
 
 
 def forget() -> None:
     """Drop every recorded check (tests; a process that changed its kernels)."""
     _checks.clear()
+    _answers.clear()
 
 
 def checks() -> list[KernelCheck]:

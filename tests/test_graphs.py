@@ -1,0 +1,192 @@
+"""``--graphs`` (fedlt.algorithms.graphs): a client's whole step captured once per batch shape and
+replayed equals the eager steps bit for bit on the CPU stand-in, per-client state included (the
+contract, fedlt.testing.check_graphs); a wrong transfer or a state the transfer cannot see is
+caught; what cannot be captured says why.
+
+The suite runs the contract on fedlogit (per-client offsets), fedprox (per-client anchors) and
+fedvls (a teacher reading the received weights), on a variant with a tensor in ``local`` and on a
+stated fallback (fedgrab); the whole registry is the ``slow`` sweep (FEDLT_SLOW=1)."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fedlt.algorithms
+from fedlt.algorithms import graphs
+from fedlt.algorithms.fedavg_family import OBJECTIVE, ClientUpdate, FedAvgFamily, Federated
+from fedlt.testing import ContractError
+from fedlt.testing.graphs import check_graphs
+
+import cheap
+
+FEDAVG_FAMILY = [n for n in fedlt.algorithms.REGISTRY.list()
+                 if isinstance(fedlt.algorithms.create(n), Federated)]
+
+
+@pytest.mark.parametrize("name", ["fedlogit", "fedprox", "fedvls"])
+def test_replayed_steps_equal_eager_bit_for_bit(name):
+    check_graphs(name, replayed=True)  # captured, not a stated fallback
+
+
+def test_a_step_graph_kept_alive_is_seen_before_capture():
+    """A step's autograd graph that outlives it holds the parameters' AccumulateGrad nodes, bound
+    to its stream: CUDA invalidated every capture made while one lived (the H200 run of
+    2026-11-28: "operation failed due to a previous error during capture"). ``kept_graph`` sees
+    it on any device, and a step returns its parts detached."""
+    model = torch.nn.Linear(3, 2)
+    loss = model(torch.ones(4, 3)).sum()
+    loss.backward()
+    assert graphs.kept_graph(model, list(model.parameters())) == "weight"
+    del loss
+    assert graphs.kept_graph(model, list(model.parameters())) is None
+
+
+def test_what_cannot_be_captured_runs_eagerly_exactly_and_says_why():
+    check_graphs("fedgrab")  # SGB's gating draws from a generator of its own, which no transfer can copy
+
+
+# the stated fallbacks on the CPU stand-in (docs/gpu.md#whole-step-cuda-graphs); every other
+# FedAvg-family algorithm must replay, so a new refusal fails the sweep instead of passing as "said"
+EAGER_ON_THE_STAND_IN = {"apfl", "fedsam", "fedgrab", "fedlf", "fedproto", "fedloge", "fedrela", "fedyoyo",
+                         "fedlc", "fedrod"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FEDAVG_FAMILY)
+def test_the_family_replays_or_says_why(name):
+    check_graphs(name, cheap.params(name), replayed=name not in EAGER_ON_THE_STAND_IN)
+
+
+def test_a_transfer_that_copies_nothing_is_caught(monkeypatch):
+    """The contract's point: without the transfer every client after the first would train with
+    the first one's offsets (its clients' class counts differ), and the contract fails."""
+    monkeypatch.setattr(graphs, "transfer", lambda into, source: None)
+    with pytest.raises(ContractError, match="same as eager"):
+        check_graphs("fedlogit")
+
+
+_HIDDEN: dict[str, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class HiddenOffset(ClientUpdate):
+    """A variant keeping a per-client tensor where the transfer cannot see it (a module global,
+    rebound per client): a graph keeps reading the tensor it was captured with."""
+
+    def begin(self, task, model, params):
+        _HIDDEN["offset"] = task.data.class_counts.float().add(1).log().to(task.data.x.device)
+
+    def terms(self, local, forward, objective, y, extra):
+        return {OBJECTIVE: objective(forward.logits + _HIDDEN["offset"], y, **extra)}
+
+
+@dataclass(frozen=True)
+class SeenOffset(HiddenOffset):
+    """The same term with the tensor in ``local``, which the transfer walks."""
+
+    def begin(self, task, model, params):
+        return {"offset": task.data.class_counts.float().add(1).log().to(task.data.x.device)}
+
+    def terms(self, local, forward, objective, y, extra):
+        return {OBJECTIVE: objective(forward.logits + local["offset"], y, **extra)}
+
+
+class Hidden(FedAvgFamily):
+    def client_fn(self):
+        return HiddenOffset()
+
+
+class Seen(FedAvgFamily):
+    def client_fn(self):
+        return SeenOffset()
+
+
+def test_a_state_the_transfer_cannot_see_is_caught_and_the_same_in_local_passes():
+    with pytest.raises(ContractError, match="same as eager"):
+        check_graphs(Hidden)
+    check_graphs(Seen)
+
+
+def test_the_structure_names_what_it_cannot_see_through():
+    state = graphs.StepState(objective={"gen": torch.Generator()}, local=None, weights=None, update=None)
+    walked = graphs.structure(state, {})
+    assert walked.reason == "state.objective['gen'] is a Generator, whose state a graph transfer cannot see"
+    a, b = torch.ones(2), torch.zeros(2)
+    one = graphs.structure(graphs.StepState([a, 1.0], None, None, None), {})
+    other = graphs.structure(graphs.StepState([b, 2.0], None, None, None), {})
+    assert one.leaves[0] is a and one.signature != other.signature  # a Python number is frozen: another graph
+
+
+def test_the_stand_in_refuses_a_host_synchronisation_as_cuda_s_capture_does():
+    x = torch.ones(3)
+    check = graphs._Checking(torch.device("cpu"))
+    with check:
+        float(x.sum())
+    assert "aten._local_scalar_dense" in check.reason
+
+
+def test_the_stand_in_replays_on_the_recorded_tensors():
+    w, x = torch.ones(3, requires_grad=True), torch.arange(3.0)
+    graph = graphs.RecordedGraph(torch.device("cpu"))
+
+    def step():
+        loss = (w * x).sum()
+        loss.backward()
+        with torch.no_grad():
+            w.sub_(0.5 * w.grad)
+        w.grad = None
+        return loss
+
+    loss = graph.capture(step)  # runs once, recording
+    assert torch.equal(w.detach(), torch.tensor([1.0, 0.5, 0.0]))
+    x.copy_(torch.tensor([2.0, 2.0, 2.0]))  # a new input at the same address
+    graph.replay()
+    assert float(loss.detach()) == 1.5 * 2 and torch.equal(w.detach(), torch.tensor([0.0, -0.5, -1.0]))
+
+
+def test_off_by_default_and_a_flag(resolved):
+    from fedlt.config import RunConfig
+
+    assert RunConfig().graphs is False and resolved("--graphs").graphs is True
+
+
+@pytest.mark.parametrize("other", [{"cohort": 2}, {"compile": True}])
+def test_graphs_exclude_cohorts_and_compile(other):
+    from pydantic import ValidationError
+
+    from fedlt.config import RunConfig
+
+    with pytest.raises(ValidationError, match="graphs: .*choose one"):
+        RunConfig(graphs=True, **other)
+
+
+def test_on_the_cpu_a_run_says_why_it_runs_eagerly_and_records_it(tmp_path, caplog):
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    with caplog.at_level("WARNING", logger="fedlt"):
+        summary = run(RunConfig(**dict(TINY, model="mlp", algorithm="fedavg", rounds=1, clients=2, graphs=True),
+                                out=tmp_path / "run"))
+    said = [r.getMessage() for r in caplog.records if r.name == "fedlt"]
+    assert said == ["fedlt: --graphs leaves the local steps eager: CUDA graphs need a CUDA device; the steps run "
+                    "eagerly on cpu"]
+    assert summary["graphs_fallback"] == "CUDA graphs need a CUDA device; the steps run eagerly on cpu"
+
+
+def test_a_random_operator_in_the_step_is_refused():
+    check = graphs._Checking(torch.device("cpu"))
+    with check:
+        torch.nn.functional.dropout(torch.ones(3), 0.5)
+    assert "draws random numbers" in check.reason
+
+
+def test_a_step_changing_python_state_is_refused():
+    state = graphs.StepState(objective={"t": torch.ones(1)}, local=[], weights=None, update=None)
+    before = graphs.structure(state, {})
+    state.local.append(1)  # a counter, a list a step appends to: a graph would freeze it
+    assert "changes Python-level state" in graphs._python_change(before, graphs.structure(state, {}))
+    state.local.pop()
+    state.objective["t"] = torch.zeros(1)  # an attribute set to a new tensor: the graph reads the old one
+    assert "replaces a tensor" in graphs._python_change(before, graphs.structure(state, {}))
