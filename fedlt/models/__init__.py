@@ -80,11 +80,32 @@ def build(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> nn.
 use_model_builder(build)  # ModelSpec.build (fedlt.context, the bottom layer) builds through it
 
 
+# what check_fits passed in this process: every prepare asks again (each study cell, each Flower
+# job on each node, each contract run) and a ResNet's meta build and forward is ~0.2 s of it. Keyed
+# by what decides the answer: the spec, the data's shape, the tensor limit and the registered builder.
+_FITS: set[tuple] = set()
+
+
 def check_fits(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> None:
     """``spec`` against the data before anything is allocated (issue 46): the input and the
     model's weights within fedlt.bounds' tensor limit, and a forward of one sample's shape on the
     meta device (no memory, no arithmetic) — a ViT's patch size against the image, a convolution's
     kernel against what is left of it — each a FedltError line naming the model and the input."""
+    try:
+        name = parse_model(spec)[0]
+        # the builder itself, held: its id is never reused; a timm model (timm's own registry) is not kept
+        key = None if name.startswith("timm:") else (spec, in_chans, num_classes, image_size, bounds.tensor_limit(),
+                                                     REGISTRY.get(name))
+        hash(key)
+    except Exception:  # noqa: BLE001  (a bad spec: the check below says what is wrong, in its order)
+        key = None
+    if key is None or key not in _FITS:
+        _check_fits(spec, in_chans=in_chans, num_classes=num_classes, image_size=image_size)
+        if key is not None:
+            _FITS.add(key)
+
+
+def _check_fits(spec: str, *, in_chans: int, num_classes: int, image_size: int) -> None:
     size = f"{in_chans}x{image_size}x{image_size}"
     if min(in_chans, image_size, num_classes) < 1:
         raise FedltError(f"model {spec!r}: in_chans, image_size and num_classes must be >= 1, got {size} and "
