@@ -179,12 +179,27 @@ def test_a_suspended_split_session_replays_the_augmented_batch_it_was_holding():
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**63 - 1))
 def test_seeding_a_cpu_block_draws_what_torch_manual_seed_draws(seed):
-    """``seed_forked`` seeds the CPU generator alone when no CUDA device is forked (torch.manual_seed's
+    """``seed_forked`` seeds the CPU generator alone for a client on the CPU (torch.manual_seed's
     lazy CUDA queue formats a stack per call while CUDA is not initialised): the draws are the same."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         expected = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randperm(7))
     with torch.random.fork_rng(devices=[]):
-        seed_forked(seed, [])
+        seed_forked(seed, torch.device("cpu"))
         drawn = (torch.rand(5), torch.randint(0, 10, (5,)), torch.randperm(7))
     assert all(torch.equal(a, b) for a, b in zip(expected, drawn))
+
+
+def test_a_client_on_another_device_than_the_cpu_seeds_every_generator(monkeypatch):
+    """Not only CUDA has a generator of its own: on MPS a model's dropout draws from the MPS one,
+    which torch.manual_seed seeds and the CPU generator's seed alone would leave to whatever ran
+    before (no per-client stream, no exact resume). The meta device stands in for MPS here."""
+    from types import SimpleNamespace
+
+    seeded = []
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: seeded.append(seed))
+    task = SimpleNamespace(data=SimpleNamespace(x=torch.empty(2, 3, device="meta")), cid=1, round_index=0,
+                           context=SimpleNamespace(sampling_seed=7))
+    with client_rng(task):
+        pass
+    assert len(seeded) == 1

@@ -151,16 +151,17 @@ def _devices(task: ClientTask) -> list:
     return [device] if device.type == "cuda" else []
 
 
-def seed_forked(seed: int, devices: list) -> None:
-    """``torch.manual_seed(seed)`` for the generators a ``fork_rng(devices=devices)`` block forks.
-    With no CUDA device among them only the CPU's is seeded: torch.manual_seed also queues a seed
-    for every CUDA device, and while CUDA is not initialised the queue formats the caller's stack
-    each call — 0.75 ms at a stack depth of 10, 2.5 ms at 60, twice a client a round on every
-    CPU run (docs/benchmarks.md). The draws are the same: the CPU generator gets the same seed."""
-    if devices:
-        torch.manual_seed(seed)  # CUDA is initialised (the task's data is there): no queue
-    else:
+def seed_forked(seed: int, device: torch.device) -> None:
+    """``torch.manual_seed(seed)`` for a client whose data is on ``device``. On the CPU only the
+    CPU's generator is seeded: torch.manual_seed also queues a seed for every CUDA device, and
+    while CUDA is not initialised the queue formats the caller's stack each call — 0.75 ms at a
+    stack depth of 10, 2.5 ms at 60, twice a client a round on every CPU run (docs/benchmarks.md);
+    the draws are the same. On any other device (CUDA, MPS: their dropout and on-device draws come
+    from that device's generator) torch.manual_seed seeds them all, as before."""
+    if device.type == "cpu":
         torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
 
 
 @contextmanager
@@ -172,7 +173,8 @@ def client_rng(task: ClientTask, state: dict[str, torch.Tensor] | None = None) -
     after: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=devices):
         if state is None:
-            seed_forked(client_seed(task.context.sampling_seed, task.round_index, task.cid), devices)
+            seed_forked(client_seed(task.context.sampling_seed, task.round_index, task.cid),
+                        task.data.x.device if task.data is not None else torch.device("cpu"))
         else:
             torch.set_rng_state(state["cpu"])
             if devices and "cuda" in state:
