@@ -14,7 +14,7 @@ SuperNodes to connect, default 120).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +47,12 @@ class FlowerRunner(Runner):
     fatal, under ``faults.on_failure="drop"`` (``tolerate``)."""
 
     def __init__(self, grid: Grid, config: RunConfig, node_wait: float = NODE_WAIT_S,
-                 reply_wait: float | None = None, poll_cap: float = POLL_CAP_S,
-                 pause: Callable[[float], None] | None = None) -> None:
+                 reply_wait: float | None = None, poll_cap: float = POLL_CAP_S) -> None:
         super().__init__(tolerate=config.faults.on_failure == "drop")
         # the round policy's deadline is the wait for replies too (docs/faults.md)
         reply_wait = reply_wait or config.faults.round_timeout or REPLY_WAIT_S
         self.grid, self.config, self.node_wait, self.reply_wait = grid, config, node_wait, reply_wait
         self.poll_cap = poll_cap
-        self._pause = pause  # the wait between two pulls, time.sleep's unless given (the simulation's ends at a reply)
         self.device = torch.device(config.device)
         self.run = ConfigRecord({"config": config.model_dump_json(),
                                  "partition": str(Path(config.out).resolve() / "partition.npz")})
@@ -127,7 +125,7 @@ class FlowerRunner(Runner):
             complete = len(self._nodes.keys() & set(range(everyone))) == everyone
             if (complete if first else not waiting) or time.monotonic() >= deadline:
                 break
-            (self._pause or time.sleep)(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
+            time.sleep(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
         missing = sorted(set(range(everyone)) - set(self._nodes))
         if missing and first:
             raise FedltError(f"no SuperNode holds partition(s) {missing[:10]} of {everyone} after "
@@ -175,7 +173,7 @@ class FlowerRunner(Runner):
         replies: dict[str, Message] = {}
         deadline, pauses = time.monotonic() + self.reply_wait, self._pauses()
         while len(replies) < len(ids) and time.monotonic() < deadline:
-            (self._pause or time.sleep)(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
+            time.sleep(min(next(pauses), max(deadline - time.monotonic(), 0.0)))
             for reply in self.grid.pull_messages([i for i in ids if i not in replies]):
                 replies[reply.metadata.reply_to_message_id] = reply
         ordered = [replies.get(i) for i in ids]

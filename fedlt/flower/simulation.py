@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty
 from typing import Any
 
 from fedlt.config import RunConfig
@@ -44,7 +43,7 @@ SIMULATED_NODE_WAIT_S = 900.0
 SIMULATED_POLL_CAP_S = 0.05  # the in-memory grid answers in milliseconds (server_app.FIRST_POLL_S)
 # Flower's simulation runtime hands a node its next message by looking at the link every 0.1 s, one
 # message a node per look (add_messages_to_queue in flwr.server.superlink.fleet.vce.vce_api): up to
-# 0.1 s idle per round trip, ~40% of a small run's time. ``PromptMessages`` looks again at once after
+# 0.1 s idle per round trip, ~40% of a small run's time. ``prompt_pickup`` looks again at once after
 # a look that found messages, and wakes as soon as the ServerApp pushes some.
 PICKUP_S = 0.1  # Flower's interval, still the bound on a wait (and on seeing the stop event)
 
@@ -163,73 +162,48 @@ def start_ray(num_cpus: int | None) -> None:
         raise FedltError(f"--engine flower: Ray did not start: {first_line(exc)}"[:300]) from None
 
 
-class PromptMessages:
-    """Flower's simulation runtime with no idle looks (see PICKUP_S): it picks up the messages a
-    grid pushes as soon as they are pushed (``wake(grid)``), and ``pause`` (the ServerApp's wait
-    between two pulls of replies) ends as soon as a node's reply is stored. Installed ``with`` it;
-    a Flower whose runtime lacks the functions this replaces keeps its own (only slower)."""
+@contextmanager
+def prompt_pickup() -> Iterator[Callable[[Any], None]]:
+    """Within: Flower's simulation runtime picks up the messages a grid pushes as soon as it
+    pushes them (see PICKUP_S); yields ``wake(grid)``, which makes ``grid``'s pushes wake it. A
+    Flower whose runtime does not have the function this replaces keeps its own (only slower)."""
+    from flwr.server.superlink.fleet.vce import vce_api
 
-    REPLACED = {"add_messages_to_queue": ["state", "queue", "nodes_mapping", "f_stop"],
-                "put_message_into_state": ["state", "queue", "f_stop"]}
+    pushed = threading.Event()
 
-    def __init__(self) -> None:
-        self.pushed, self.replied = threading.Event(), threading.Event()
-        self.originals: dict[str, Any] = {}
-
-    def add_messages_to_queue(self, state, queue, nodes_mapping, f_stop) -> None:
+    def add_messages_to_queue(state, queue, nodes_mapping, f_stop) -> None:
         while not f_stop.is_set():
             found = False
             for node_id in nodes_mapping.keys():
                 for message in state.get_message_ins(node_id=node_id, limit=1):
                     queue.put(message)
                     found = True
-            if not found:
-                self._wait(self.pushed, PICKUP_S)
+            if not found:  # cleared after the wait, before the next look: a push meanwhile is seen
+                pushed.wait(PICKUP_S)
+                pushed.clear()
 
-    def put_message_into_state(self, state, queue, f_stop) -> None:
-        while not f_stop.is_set():
-            try:
-                reply = queue.get(timeout=1.0)
-            except Empty:
-                continue
-            state.store_message_res(reply)
-            self.replied.set()
-
-    def pause(self, seconds: float) -> None:
-        self._wait(self.replied, seconds)
-
-    @staticmethod
-    def _wait(event: threading.Event, seconds: float) -> None:
-        event.wait(seconds)
-        event.clear()  # after the wait, before the next look: what arrives meanwhile is seen by that look
-
-    def wake(self, grid: Any) -> None:
+    def wake(grid: Any) -> None:
         push = grid.push_messages  # an attribute of the grid: its send_and_receive (SecAgg+) calls it too
 
         def push_and_wake(messages, *args, **kwargs):
             ids = push(messages, *args, **kwargs)
-            self.pushed.set()
+            pushed.set()
             return ids
 
         grid.push_messages = push_and_wake
         if isinstance(getattr(grid, "pull_interval", None), float):  # send_and_receive's pause (0.1 s)
             grid.pull_interval = SIMULATED_POLL_CAP_S
 
-    def __enter__(self) -> PromptMessages:
-        from flwr.server.superlink.fleet.vce import vce_api
-
-        for name, parameters in self.REPLACED.items():
-            original = getattr(vce_api, name, None)
-            if original is not None and list(inspect.signature(original).parameters) == parameters:
-                self.originals[name] = original
-                setattr(vce_api, name, getattr(self, name))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        from flwr.server.superlink.fleet.vce import vce_api
-
-        for name, original in self.originals.items():
-            setattr(vce_api, name, original)
+    original = getattr(vce_api, "add_messages_to_queue", None)
+    fits = original is not None and list(inspect.signature(original).parameters) == [
+        "state", "queue", "nodes_mapping", "f_stop"]
+    if fits:
+        vce_api.add_messages_to_queue = add_messages_to_queue
+    try:
+        yield wake
+    finally:
+        if fits:
+            vce_api.add_messages_to_queue = original
 
 
 def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any]]:
@@ -249,18 +223,18 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     server_app = ServerApp()
     records = LogRecords()
 
-    with ProcessGuard() as guard, PromptMessages() as prompt:
+    with ProcessGuard() as guard, prompt_pickup() as wake:
         signals = StopSignals(stop_processes=lambda: guard.stop_all(grace=0))
 
         @server_app.main()
         def main(grid: Grid, context: Context) -> None:
-            prompt.wake(grid)
+            wake(grid)
             signals.loop_thread = threading.current_thread()
             signals.in_loop = True
             try:
                 for job in jobs:
                     runner = FlowerRunner(grid, job.config, node_wait=SIMULATED_NODE_WAIT_S,
-                                          poll_cap=SIMULATED_POLL_CAP_S, pause=prompt.pause)
+                                          poll_cap=SIMULATED_POLL_CAP_S)
                     summary = loop.run(job.config, resume=job.resume, on_round=job.on_round,
                                        on_start=job.on_start, runner=runner,
                                        stop_requested=lambda: signals.first)
