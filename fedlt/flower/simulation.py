@@ -17,7 +17,6 @@ not to the terminal.
 from __future__ import annotations
 
 import ctypes
-import inspect
 import logging
 import os
 import sys
@@ -41,11 +40,6 @@ from fedlt.run.signals import StoppedAtOnce, TwoSignalStop
 # which a loaded machine can delay beyond a deployment's 120 s: wait longer, there is nothing to miss
 SIMULATED_NODE_WAIT_S = 900.0
 SIMULATED_POLL_CAP_S = 0.05  # the in-memory grid answers in milliseconds (server_app.FIRST_POLL_S)
-# Flower's simulation runtime hands a node its next message by looking at the link every 0.1 s, one
-# message a node per look (add_messages_to_queue in flwr.server.superlink.fleet.vce.vce_api): up to
-# 0.1 s idle per round trip, ~40% of a small run's time. ``prompt_pickup`` looks again at once after
-# a look that found messages, and wakes as soon as the ServerApp pushes some.
-PICKUP_S = 0.1  # Flower's interval, still the bound on a wait (and on seeing the stop event)
 
 LOG_NAME = "flower.log"  # Flower's and Ray's log lines of the run, beside its other files
 LOGGERS = ("flwr", "ray")
@@ -162,50 +156,6 @@ def start_ray(num_cpus: int | None) -> None:
         raise FedltError(f"--engine flower: Ray did not start: {first_line(exc)}"[:300]) from None
 
 
-@contextmanager
-def prompt_pickup() -> Iterator[Callable[[Any], None]]:
-    """Within: Flower's simulation runtime picks up the messages a grid pushes as soon as it
-    pushes them (see PICKUP_S); yields ``wake(grid)``, which makes ``grid``'s pushes wake it. A
-    Flower whose runtime does not have the function this replaces keeps its own (only slower)."""
-    from flwr.server.superlink.fleet.vce import vce_api
-
-    pushed = threading.Event()
-
-    def add_messages_to_queue(state, queue, nodes_mapping, f_stop) -> None:
-        while not f_stop.is_set():
-            found = False
-            for node_id in nodes_mapping.keys():
-                for message in state.get_message_ins(node_id=node_id, limit=1):
-                    queue.put(message)
-                    found = True
-            if not found:  # cleared after the wait, before the next look: a push meanwhile is seen
-                pushed.wait(PICKUP_S)
-                pushed.clear()
-
-    def wake(grid: Any) -> None:
-        push = grid.push_messages  # an attribute of the grid: its send_and_receive (SecAgg+) calls it too
-
-        def push_and_wake(messages, *args, **kwargs):
-            ids = push(messages, *args, **kwargs)
-            pushed.set()
-            return ids
-
-        grid.push_messages = push_and_wake
-        if isinstance(getattr(grid, "pull_interval", None), float):  # send_and_receive's pause (0.1 s)
-            grid.pull_interval = SIMULATED_POLL_CAP_S
-
-    original = getattr(vce_api, "add_messages_to_queue", None)
-    fits = original is not None and list(inspect.signature(original).parameters) == [
-        "state", "queue", "nodes_mapping", "f_stop"]
-    if fits:
-        vce_api.add_messages_to_queue = add_messages_to_queue
-    try:
-        yield wake
-    finally:
-        if fits:
-            vce_api.add_messages_to_queue = original
-
-
 def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any]]:
     """Run ``jobs`` in turn in one simulation with max(clients) SuperNodes; for each, its summary
     and ``exchanges`` (message round trips it made). A job that stops (a signal, an error) ends
@@ -223,12 +173,11 @@ def simulate(jobs: list[Job], num_cpus: int | None = None) -> list[dict[str, Any
     server_app = ServerApp()
     records = LogRecords()
 
-    with ProcessGuard() as guard, prompt_pickup() as wake:
+    with ProcessGuard() as guard:
         signals = StopSignals(stop_processes=lambda: guard.stop_all(grace=0))
 
         @server_app.main()
         def main(grid: Grid, context: Context) -> None:
-            wake(grid)
             signals.loop_thread = threading.current_thread()
             signals.in_loop = True
             try:
