@@ -277,24 +277,19 @@ def _walk(obj: Any, path: str, leaves: list, signature: list, seen: dict[int, st
     if id(obj) in fixed:
         signature.append(("module tensor", fixed[id(obj)]))
         return
-    if isinstance(obj, torch.Tensor):
-        if id(obj) in seen:
-            signature.append(("same as", seen[id(obj)]))
-            return
-        seen[id(obj)] = path
-        if obj.is_sparse or obj.layout != torch.strided:
-            raise CaptureRefused(f"{path} is a {obj.layout} tensor")
-        leaves.append(obj)
-        signature.append(("tensor", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
-        return
-    if isinstance(obj, VALUES):
+    if isinstance(obj, VALUES):  # before the identity check: small ints and strings are shared objects
         signature.append(("value", type(obj).__qualname__, repr(obj)))
         return
     if id(obj) in seen:
         signature.append(("same as", seen[id(obj)]))
         return
     seen[id(obj)] = path
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.layout != torch.strided:
+            raise CaptureRefused(f"{path} is a {obj.layout} tensor")
+        leaves.append(obj)
+        signature.append(("tensor", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
+    elif isinstance(obj, (list, tuple)):
         signature.append((type(obj).__qualname__, len(obj)))
         for i, v in enumerate(obj):
             _walk(v, f"{path}[{i}]", leaves, signature, seen, fixed)
@@ -515,9 +510,7 @@ class ClientGraphs:
             self.graphs.groups[self._key()] = group
         self.optimiser = self._persistent()
         transfer(group.leaves, self.walked.leaves)
-        buffers = [(a, b) for a, b in zip(_momentum(self.optimiser, self.params), _momentum(optimiser, self.params))
-                   if a is not None and b is not None]
-        transfer([a for a, _ in buffers], [b for _, b in buffers])
+        self._copy_momentum(self.optimiser, optimiser)
         self.group = group
 
     def _new_group(self) -> Group:
@@ -603,10 +596,14 @@ class ClientGraphs:
 
     def _hand_back(self, optimiser: torch.optim.Optimizer) -> None:
         transfer(self.walked.leaves, self.group.leaves)
-        buffers = [(a, b) for a, b in zip(_momentum(optimiser, self.params), _momentum(self.optimiser, self.params))
+        self._copy_momentum(optimiser, self.optimiser)
+        self.group = None
+
+    def _copy_momentum(self, into: torch.optim.Optimizer, source: torch.optim.Optimizer) -> None:
+        """``source``'s momentum buffers into ``into``'s, where both have one."""
+        buffers = [(a, b) for a, b in zip(_momentum(into, self.params), _momentum(source, self.params))
                    if a is not None and b is not None]
         transfer([a for a, _ in buffers], [b for _, b in buffers])
-        self.group = None
 
     def finish(self, optimiser: torch.optim.Optimizer) -> None:
         """After the client's last step: its state back in its own objects, the gradients of
