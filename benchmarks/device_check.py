@@ -363,16 +363,21 @@ def bf16(device, sizes, tmp: Path) -> dict:
     return out
 
 
-def profile(device, sizes, out_dir: Path) -> dict:
+def profile(device, sizes, out_dir: Path, task: str = "all", name: str = "device_check_profile") -> dict:
     """benchmarks/profile_round.py's phases and operators on ``device`` (its tables written beside the JSON)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("profile_round", Path(__file__).with_name("profile_round.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    found = module.profile("all", str(device), None, sizes is DRY, out_dir, name="device_check_profile")
+    found = module.profile(task, str(device), None, sizes is DRY, out_dir, name=name)
     return {"threads": found["threads"], "tasks": {name: {k: v for k, v in task.items() if k != "settings"}
                                                    for name, task in found["tasks"].items()}}
+
+
+def graphs_profile(device, sizes, out_dir: Path) -> dict:
+    """The profile of PFLlib's task under ``--graphs``: what a round asks of the host once its steps replay."""
+    return profile(device, sizes, out_dir, task="pfllib_graphs", name="device_check_graphs_profile")
 
 
 def _synthetic_cifar(root: Path, train: int, test: int) -> Path:
@@ -451,7 +456,7 @@ def overheads(device, sizes) -> dict:
 SECTIONS = {"doctor": doctor, "overheads": overheads, "kernels": kernels, "fused_vs_eager": fused_vs_eager,
             "algorithms": algorithms,
             "pfllib_mnist": pfllib_mnist, "graphs": graphs, "scala_s2": scala_s2, "bf16": bf16,
-            "profile": profile, "resnet18_cifar": resnet18_cifar}
+            "profile": profile, "graphs_profile": graphs_profile, "resnet18_cifar": resnet18_cifar}
 
 
 def results_path(dry_run: bool) -> Path:
@@ -485,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                extra = ((path.parent if fn is profile else Path(tmp)),) if fn.__code__.co_argcount == 3 else ()
+                extra = ((path.parent if fn in (profile, graphs_profile) else Path(tmp)),) if fn.__code__.co_argcount >= 3 else ()
                 section = fn(device, sizes, *extra)
             except Exception as exc:  # noqa: BLE001  (recorded; the next section still runs)
                 section = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
