@@ -63,11 +63,12 @@ HBM_BYTES_PER_S = 3.35e12
 FUSED_BYTES_PER_LOGIT = {"logit_adjust": 12, "fedvls": 16}
 
 FULL = dict(kernel_shapes=[(48, 23), (1024, 100), (4096, 1000), (8192, 1000)], fused_sizes=[(4096, 1000), (16384, 1000), (65536, 1000)],
-            reps=20, algorithms=None, pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2),
+            reps=20, algorithms=None,
+            pfllib=dict(train_limit=None, test_limit=None, clients=100, rounds=4, cpu_rounds=2, graphs_rounds=10),
             scala_rounds=3, bf16_rounds=5, resnet=dict(train=50_000, test=10_000, clients=100, rounds=3), compile=True,
             graphs_algorithms=None, graphs_fused_on=["fedlogit", "fedvls"])
 DRY = dict(kernel_shapes=[(8, 5), (48, 23)], fused_sizes=[(64, 10)], reps=2, algorithms=["fedavg", "scala"],
-           pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1), scala_rounds=1,
+           pfllib=dict(train_limit=200, test_limit=100, clients=10, rounds=2, cpu_rounds=1, graphs_rounds=2), scala_rounds=1,
            bf16_rounds=1, resnet=dict(train=200, test=50, clients=10, rounds=1),
            graphs_algorithms=["fedavg"], graphs_fused_on=["fedlogit"], compile=False)  # inductor's CPU compile of the CNN: ~30 s, beyond the suite's budget (tests/test_compile.py)
 # an algorithm whose defaults need more data than TINY_RUN's 600 images (FEDIC holds 100 a class out)
@@ -261,7 +262,7 @@ def pfllib_mnist(device, sizes, tmp: Path) -> dict:
     return out
 
 
-def graphs(device, sizes, tmp: Path) -> dict:
+def graphs(device, sizes, tmp: Path, pfllib_only: bool = False) -> dict:
     """``--graphs`` (docs/gpu.md#whole-step-cuda-graphs): PFLlib's task one client after another,
     eager vs whole-step graphs (s a round over rounds 2–4, the first round — the captures — apart);
     every registered algorithm one round on the device with and without ``--graphs`` (test-loss gap,
@@ -272,22 +273,35 @@ def graphs(device, sizes, tmp: Path) -> dict:
     out: dict = {"backend": backend + ("" if backend == "cuda" else " (the CPU stand-in: correctness, not speed)")}
     with step_graphs.default_backend(backend):
         out["pfllib_mnist"] = _graphs_pfllib(device, sizes, tmp)
-        out["algorithms"] = _graphs_algorithms(device, sizes, tmp)
+        if not pfllib_only:
+            out["algorithms"] = _graphs_algorithms(device, sizes, tmp)
     return out
 
 
+def graphs_pfllib(device, sizes, tmp: Path) -> dict:
+    """``graphs`` without the registry's rows: PFLlib's task only."""
+    return graphs(device, sizes, tmp, pfllib_only=True)
+
+
 def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
+    import torch
+
     from fedlt.algorithms import graphs as step_graphs
 
     base, p = _pfllib(sizes), sizes["pfllib"]
+    rounds = p["graphs_rounds"]  # more rounds than the other sections: new batch shapes are captured in early rounds
     out: dict = {}
-    for label, on in (("device sequential", False), ("device sequential --graphs", True)):
+    # the last row a diagnosis only: cuDNN's autotuner (not fedlt's default: its choice may differ run to run)
+    for label, on, tuned in (("device sequential", False, False), ("device sequential --graphs", True, False),
+                             ("device sequential --graphs (cudnn.benchmark)", True, True)):
         try:  # one run's failure is its row's
-            before = step_graphs.totals()
-            summary, rows = _run(tmp / f"graphs-pfllib-{on}", **base, rounds=p["rounds"], eval_every=p["rounds"],
+            before, torch.backends.cudnn.benchmark = step_graphs.totals(), tuned
+            summary, rows = _run(tmp / f"graphs-pfllib-{on}-{tuned}", **base, rounds=rounds, eval_every=rounds,
                                  device=str(device), graphs=on)
             after = step_graphs.totals()
-            out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": p["rounds"],
+            late = [r["train_s"] for r in rows[len(rows) // 2:]]
+            out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": rounds,
+                          "later_half_s": sum(late) / len(late),
                           "first_round_s": rows[0]["train_s"], "round_s": [r["train_s"] for r in rows],
                           "accuracy": summary["final"]["accuracy"],
                           "loss": summary["final"]["loss"]}
@@ -298,6 +312,8 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
         except Exception as exc:  # noqa: BLE001  (recorded, with its last frames)
             out[label] = {"error": f"{type(exc).__name__}: {exc}"[:400],
                           "where": traceback.format_exc().strip().splitlines()[-4:]}
+        finally:
+            torch.backends.cudnn.benchmark = False
     eager, fast = out["device sequential"], out["device sequential --graphs"]
     if "seconds_per_round" in eager and "seconds_per_round" in fast:
         out["speedup"] = eager["seconds_per_round"] / fast["seconds_per_round"]
@@ -455,7 +471,7 @@ def overheads(device, sizes) -> dict:
 
 SECTIONS = {"doctor": doctor, "overheads": overheads, "kernels": kernels, "fused_vs_eager": fused_vs_eager,
             "algorithms": algorithms,
-            "pfllib_mnist": pfllib_mnist, "graphs": graphs, "scala_s2": scala_s2, "bf16": bf16,
+            "pfllib_mnist": pfllib_mnist, "graphs": graphs, "graphs_pfllib": graphs_pfllib, "scala_s2": scala_s2, "bf16": bf16,
             "profile": profile, "graphs_profile": graphs_profile, "resnet18_cifar": resnet18_cifar}
 
 

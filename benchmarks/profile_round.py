@@ -216,11 +216,19 @@ def operator_summary(prof: Any, phases: dict) -> dict:
     top_level = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
     syncs = sum(1 for e in events if e.name in ("aten::_local_scalar_dense",))
     steps = phases["calls"].get("backward", 0) or 1
-    table = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
-    return {"python_ops": len(top_level), "backward_calls": steps, "python_ops_per_backward": len(top_level) / steps,
-            "host_syncs": syncs,
-            "top_self_cpu": [{"op": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3}
-                             for a in table]}
+    averages = prof.key_averages()
+    table = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:12]
+    found = {"python_ops": len(top_level), "backward_calls": steps, "python_ops_per_backward": len(top_level) / steps,
+             "host_syncs": syncs,
+             "top_self_cpu": [{"op": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3}
+                              for a in table]}
+    on_device = [a for a in averages if getattr(a, "self_device_time_total", 0) > 0]
+    if on_device:  # a GPU's: how busy the device was in the round, and with what (kernels, copies)
+        found["device_busy_ms"] = sum(a.self_device_time_total for a in on_device) / 1e3
+        found["device_calls"] = sum(a.count for a in on_device)
+        found["top_device"] = [{"op": a.key[:120], "calls": a.count, "device_ms": a.self_device_time_total / 1e3}
+                               for a in sorted(on_device, key=lambda a: -a.self_device_time_total)[:20]]
+    return found
 
 
 def main(argv: list[str] | None = None) -> dict:
