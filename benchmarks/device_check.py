@@ -284,20 +284,17 @@ def graphs_pfllib(device, sizes, tmp: Path) -> dict:
 
 
 def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
-    import torch
-
     from fedlt.algorithms import graphs as step_graphs
 
     base, p = _pfllib(sizes), sizes["pfllib"]
     rounds = p["graphs_rounds"]  # more rounds than the other sections: new batch shapes are captured in early rounds
     out: dict = {}
-    # the last row a diagnosis only: cuDNN's autotuner (not fedlt's default: its choice may differ run to run)
-    for label, on, tuned in (("device sequential", False, False), ("device sequential --graphs", True, False),
-                             ("device sequential --graphs (cudnn.benchmark)", True, True)):
+    for label, on, cohort in (("device sequential", False, 1), ("device sequential --graphs", True, 1),
+                              ("device --cohort 10", False, 10), ("device --cohort 10 --graphs", True, 10)):
         try:  # one run's failure is its row's
-            before, torch.backends.cudnn.benchmark = step_graphs.totals(), tuned
-            summary, rows = _run(tmp / f"graphs-pfllib-{on}-{tuned}", **base, rounds=rounds, eval_every=rounds,
-                                 device=str(device), graphs=on)
+            before = step_graphs.totals()
+            summary, rows = _run(tmp / f"graphs-pfllib-{on}-{cohort}", **base, rounds=rounds, eval_every=rounds,
+                                 device=str(device), graphs=on, cohort=cohort)
             after = step_graphs.totals()
             late = [r["train_s"] for r in rows[len(rows) // 2:]]
             out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": rounds,
@@ -312,12 +309,10 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
         except Exception as exc:  # noqa: BLE001  (recorded, with its last frames)
             out[label] = {"error": f"{type(exc).__name__}: {exc}"[:400],
                           "where": traceback.format_exc().strip().splitlines()[-4:]}
-        finally:
-            torch.backends.cudnn.benchmark = False
-    eager, fast = out["device sequential"], out["device sequential --graphs"]
-    if "seconds_per_round" in eager and "seconds_per_round" in fast:
-        out["speedup"] = eager["seconds_per_round"] / fast["seconds_per_round"]
-        out["loss_gap"] = abs(eager["loss"] - fast["loss"])
+    for eager, fast in (("device sequential", "device sequential --graphs"), ("device --cohort 10", "device --cohort 10 --graphs")):
+        if "seconds_per_round" in out[eager] and "seconds_per_round" in out[fast]:
+            out[fast]["speedup"] = out[eager]["seconds_per_round"] / out[fast]["seconds_per_round"]
+            out[fast]["loss_gap"] = abs(out[eager]["loss"] - out[fast]["loss"])
     return out
 
 
@@ -392,8 +387,9 @@ def profile(device, sizes, out_dir: Path, task: str = "all", name: str = "device
 
 
 def graphs_profile(device, sizes, out_dir: Path) -> dict:
-    """The profile of PFLlib's task under ``--graphs``: what a round asks of the host once its steps replay."""
-    return profile(device, sizes, out_dir, task="pfllib_graphs", name="device_check_graphs_profile")
+    """The profile of PFLlib's task under ``--graphs``, one client after another and in cohorts of 10:
+    what a round asks of the host and of the device once its steps replay."""
+    return profile(device, sizes, out_dir, task="pfllib_graphs,pfllib_cohort_graphs", name="device_check_graphs_profile")
 
 
 def _synthetic_cifar(root: Path, train: int, test: int) -> Path:

@@ -233,9 +233,10 @@ def operator_summary(prof: Any, phases: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=["pfllib", "pfllib_cohort", "pfllib_graphs", "scala", "both", "all"],
+    parser.add_argument("--task", choices=["pfllib", "pfllib_cohort", "pfllib_graphs", "pfllib_cohort_graphs", "scala", "both", "all"],
                         default="both", help="both: pfllib and scala; all: also pfllib_cohort (PFLlib's task with "
-                        "--cohort 10); pfllib_graphs: PFLlib's task with --graphs (a GPU's, or the CPU stand-in's)")
+                        "--cohort 10); pfllib_graphs: PFLlib's task with --graphs (a GPU's, or the CPU stand-in's); "
+                        "pfllib_cohort_graphs: with --cohort 10 --graphs")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="tiny sizes (a check that the script works)")
@@ -306,8 +307,9 @@ def profile(task: str, device: str, threads: int | None, small: bool, out: Path,
     instrument(timer)
     pfllib = dict(PFLLIB, **(SMALL if small else {}))
     tasks = {"pfllib": pfllib, "scala": dict(SCALA, **(SMALL_SCALA if small else {})),
-             "pfllib_cohort": dict(pfllib, cohort=10), "pfllib_graphs": dict(pfllib, graphs=True)}
-    chosen = {"both": ["pfllib", "scala"], "all": ["pfllib", "pfllib_cohort", "scala"]}.get(task, [task])
+             "pfllib_cohort": dict(pfllib, cohort=10), "pfllib_graphs": dict(pfllib, graphs=True),
+             "pfllib_cohort_graphs": dict(pfllib, cohort=10, graphs=True)}
+    chosen = {"both": ["pfllib", "scala"], "all": ["pfllib", "pfllib_cohort", "scala"]}.get(task, task.split(","))
     result: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "tasks": {}}
     with tempfile.TemporaryDirectory(prefix="fedlt-profile-") as tmp:
         for label in chosen:

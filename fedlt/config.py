@@ -222,8 +222,9 @@ class RunConfig(Strict):
                           "through torch.compile (CUDA graphs on CUDA); off by default: on the CPU it costs seconds "
                           "of compilation a run (docs/gpu.md#compiled-steps)")
     graphs: bool = Field(False, description="FedAvg family on CUDA: each client's local step (forward, loss, backward, "
-                         "clip, optimiser) captured once per batch shape as a CUDA graph and replayed; elsewhere the "
-                         "steps run eagerly, said (docs/gpu.md#whole-step-cuda-graphs)")
+                         "clip, optimiser) captured once per batch shape as a CUDA graph and replayed; with --cohort N the "
+                         "cohort's vmapped step, once per group size and batch shape; elsewhere the steps run "
+                         "eagerly, said (docs/gpu.md#whole-step-cuda-graphs)")
     availability: dict[str, Any] = Field(default_factory=lambda: {"name": "always"},
                                          description="client availability spec: always, bernoulli(p=...), "
                                                      "markov(p_on=..., p_off=...), straggler(...), scripted(...)")
@@ -255,11 +256,8 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _graphs_alone(self) -> "RunConfig":
-        """Whole-step graphs capture the sequential loop's eager step: a cohort's vmapped step is
-        another loop, and a compiled step records CUDA graphs of its own, which cannot nest in ours."""
-        if self.graphs and self.cohort > 1:
-            raise ValueError("graphs: captures the one-client-at-a-time step, cohort trains clients in vmapped steps; "
-                             "choose one (--graphs or --cohort N)")
+        """Whole-step graphs capture the eager step (one client's, or a cohort's vmapped one): a
+        compiled step records CUDA graphs of its own, which cannot nest in ours."""
         if self.graphs and self.compile:
             raise ValueError("graphs: captures the whole eager step, compile records CUDA graphs of its own inside "
                              "it (they cannot nest); choose one (--graphs or --compile)")

@@ -39,7 +39,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 import fedlt.augment
-from fedlt.algorithms import compiled
+from fedlt.algorithms import cohort_graphs, compiled
 from fedlt.algorithms.base import (backward_precision, build_objective, forward_precision,
                                    upcast)
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, AroundUpdate, ClientUpdate, Federated, PhasedUpdate, _PLAIN,
@@ -294,6 +294,8 @@ class Cohort:
                     break
                 for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
                     self._step([b for b in batches if tuple(b[1].shape) == shape])
+            if self.graphs is not None:
+                self.graphs.finish()
             return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
     def streams(self) -> list[dict[str, torch.Tensor | None]]:
@@ -326,11 +328,19 @@ class Cohort:
         # for the variants whose sequential step compiles too (step_reason)
         backend = self.schedule.compile if step_reason(type(self.update)) is None else None
         self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
+        self.indices: dict[tuple[int, ...], torch.Tensor] = {}
+        # --graphs: the plain step captured per (group size, batch shape) and replayed (None: eager, said)
+        self.graphs = cohort_graphs.open(self) if self.schedule.graphs is not None else None
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""
         out = []
         for k, c in enumerate(self.clients):
+            if not c.augment:  # no augmentation draws nothing from torch's generator: no stream to swap in
+                batch = next(c.stream, None)
+                if batch is not None:
+                    out.append((k, batch[0], batch[1]))
+                continue
             with _Seeded(c):
                 batch = next(c.stream, None)
                 if batch is not None:
@@ -346,17 +356,32 @@ class Cohort:
             logits = functional_call(self.model, params, (x,))
         return logits, seen[0]
 
-    def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        ks = [k for k, _, _ in group]
-        index = to_device(torch.tensor(ks), self.weights[0].device)  # pinned, non-blocking: no wait per step
-        if len(ks) == len(self.clients):  # every client steps: the stacks themselves, no gather and scatter
+    def _index(self, ks: list[int]) -> torch.Tensor:
+        """The group's rows as a device index, made once per group of a cohort (groups repeat
+        step after step), pinned and copied without a wait."""
+        key = tuple(ks)
+        if key not in self.indices:
+            self.indices[key] = to_device(torch.tensor(ks), self.weights[0].device)
+        return self.indices[key]
+
+    def _leaves(self, index: torch.Tensor, full: bool) -> tuple[list[torch.Tensor], dict, dict]:
+        """The group's weights as leaves of this step's backward, its running statistics and its
+        fixed tensors (``full``: every client steps, so the stacks themselves, no gather and scatter)."""
+        if full:
             leaves = [w.detach().requires_grad_(True) for w in self.weights]
             running = self.running  # BatchNorm updates its statistics in the stacks themselves
-            fixed = self.fixed | running
-        else:
-            leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
-            running = {n: t.index_select(0, index) for n, t in self.running.items()}
-            fixed = {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
+            return leaves, running, self.fixed | running
+        leaves = [w.index_select(0, index).requires_grad_(True) for w in self.weights]
+        running = {n: t.index_select(0, index) for n, t in self.running.items()}
+        return leaves, running, {n: t.index_select(0, index) for n, t in self.fixed.items()} | running
+
+    def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        ks = [k for k, _, _ in group]
+        if self.graphs is not None and self.graphs.takes(ks):
+            self._record(group, self.graphs.step(ks, group))
+            return
+        index = self._index(ks)
+        leaves, running, fixed = self._leaves(index, len(ks) == len(self.clients))
         x = torch.stack([x for _, x, _ in group])
         self._backward(group, index, leaves, fixed, x, record=True)
         if type(self.update).ascent is not ClientUpdate.ascent:  # a second forward: the statistics move again
@@ -431,20 +456,44 @@ class Cohort:
         """Σ_k CE(z_k + o_k, y_k) over the group as one cross-entropy over its G·B rows (each
         client's own mean), instead of G objective calls: a step's loss in a fixed handful of
         operators for any G. Each client's part is recorded as its objective's would be."""
+        losses = self._offset_losses(index, offsets, logits, torch.stack([y for _, _, y in group]))
+        if record:
+            self._record(group, losses.detach())
+        return losses.sum()
+
+    def _offset_losses(self, index: torch.Tensor, offsets: torch.Tensor, logits: torch.Tensor,
+                       y: torch.Tensor) -> torch.Tensor:
+        """CE(z_k + o_k, y_k), each client's mean over its rows (G)."""
         z = upcast(logits)
         key = (z.device, z.dtype)
         if key not in self.offsets_on:  # once per cohort: no copy to the device per step
             self.offsets_on[key] = offsets.to(device=z.device, dtype=z.dtype)
         o = self.offsets_on[key].index_select(0, index)
-        y = torch.stack([y for _, _, y in group])
         rows = F.cross_entropy((z + o.unsqueeze(1)).flatten(0, 1), y.flatten(), reduction="none")
-        losses = rows.view(len(group), -1).mean(1)
-        if record:
-            recorded = losses.detach()
-            for j, (k, _, _) in enumerate(group):
-                self.clients[k].parts.setdefault(OBJECTIVE, []).append(recorded[j])
-                self.clients[k].steps += 1
-        return losses.sum()
+        return rows.view(len(index), -1).mean(1)
+
+    def _record(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], losses: torch.Tensor) -> None:
+        """Each client's step loss (``losses``: the group's, detached) recorded as its objective's part."""
+        for j, (k, _, _) in enumerate(group):
+            self.clients[k].parts.setdefault(OBJECTIVE, []).append(losses[j])
+            self.clients[k].steps += 1
+
+    def plain_step(self, ks: list[int], index: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The step of a cohort whose loss is a plain offset cross-entropy and whose variant adds
+        nothing to the step (what ``--graphs`` captures, fedlt.algorithms.cohort_graphs): the same
+        operators as :meth:`_step` then takes, in its order, from the group's stacked minibatch.
+        Returns the group's step losses (detached)."""
+        leaves, _, fixed = self._leaves(index, len(ks) == len(self.clients))
+        params = dict(zip(self.names, leaves)) | fixed
+        with forward_precision(self.schedule.precision, x.device):
+            losses = self._offset_losses(index, self.offsets, self.vmapped(params, x), y)
+            total = [losses.sum()]
+        with backward_precision(x.device):
+            torch.stack(total).sum().backward()
+        grads = [leaf.grad for leaf in leaves]
+        self._clip(grads)
+        self._sgd(ks, index, leaves, grads)
+        return losses.detach()
 
     def _terms(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
                params: dict[str, torch.Tensor], x: torch.Tensor, inputs: torch.Tensor, logits: torch.Tensor,

@@ -374,6 +374,7 @@ class ModuleGraphs:
 
     optimisers: dict[tuple, torch.optim.Optimizer] = field(default_factory=dict)
     groups: dict[tuple, Group] = field(default_factory=dict)
+    cohorts: dict[tuple, Any] = field(default_factory=dict)  # a cohort's canonical stacks (fedlt.algorithms.cohort_graphs)
     count: int = 0
     captured: int = 0
     replays: int = 0
