@@ -151,14 +151,14 @@ def test_off_by_default_and_a_flag(resolved):
     assert RunConfig().graphs is False and resolved("--graphs").graphs is True
 
 
-@pytest.mark.parametrize("other", [{"cohort": 2}, {"compile": True}])
-def test_graphs_exclude_cohorts_and_compile(other):
+def test_graphs_exclude_compile_and_combine_with_cohorts():
     from pydantic import ValidationError
 
     from fedlt.config import RunConfig
 
     with pytest.raises(ValidationError, match="graphs: .*choose one"):
-        RunConfig(graphs=True, **other)
+        RunConfig(graphs=True, compile=True)
+    assert RunConfig(graphs=True, cohort=4).cohort == 4
 
 
 def test_on_the_cpu_a_run_says_why_it_runs_eagerly_and_records_it(tmp_path, caplog):
@@ -246,3 +246,19 @@ def test_a_step_keeping_its_graph_runs_eagerly_said_and_leaves_no_group_behind(m
         check_graphs(Keeps)  # equal to eager, its fallback stated
     assert any("an autograd graph of an earlier step is still alive" in r.getMessage() for r in caplog.records)
     assert made == []
+
+
+# -- a cohort's step captured (fedlt.algorithms.cohort_graphs) ------------------------------------
+@pytest.mark.parametrize("name", ["fedavg", "fedlogit"])
+def test_a_cohort_s_replayed_steps_equal_its_eager_steps_bit_for_bit(name):
+    """Six clients in cohorts of three: two cohorts of one kind train on the same canonical stacks
+    in round 1 (each copies its own in), cohorts of 3 and 2 in round 2."""
+    check_graphs(name, replayed=True, cohort=3, clients=6)
+
+
+def test_a_cohort_whose_clients_need_their_own_python_says_why_and_equals_eager(caplog):
+    with caplog.at_level("INFO", logger="fedlt"):
+        check_graphs("fedprox", cohort=3, clients=6)  # its proximal term reads each client's anchor
+        check_graphs("scaffold", cohort=3, clients=6)  # its correct hook edits each client's gradient
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "plain offset cross-entropy only" in said and "ScaffoldUpdate overrides ClientUpdate.correct" in said

@@ -294,8 +294,6 @@ class Cohort:
                     break
                 for shape in dict.fromkeys(tuple(x.shape) for _, x, _ in batches):
                     self._step([b for b in batches if tuple(b[1].shape) == shape])
-            if self.graphs is not None:
-                self.graphs.finish()
             return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
     def streams(self) -> list[dict[str, torch.Tensor | None]]:

@@ -6,9 +6,10 @@ clients, where one client after another stays at ~70 small kernels a step (the H
 What a captured step reads must sit at fixed addresses, so every cohort of one kind (size,
 parameters, optimiser settings) trains on one *canonical* set of stacks: its weights, momentum,
 fixed tensors and logit offsets. A cohort copies its own into them at its first step taken here
-(``adopt``), trains on them, and hands clones back before its results are read (``finish``); a
-step copies its group's minibatches into the graph's static inputs (``torch.stack(out=...)``)
-and, for a part of the cohort, the group's rows into its static index.
+(``adopt``) and trains on them to its end: its results are read from them before the next cohort
+runs, and what a result keeps is copied, as it is from the work module sequentially. A step
+copies its group's minibatches into the graph's static inputs (``torch.stack(out=...)``) and,
+for a part of the cohort, the group's rows into its static index.
 
 Captured: :meth:`fedlt.algorithms.cohort.Cohort.plain_step` — a plain offset cross-entropy
 (``ce``, ``logit_adjust``, a finite ``fedlc``), a variant that adds nothing per client to the
@@ -143,13 +144,6 @@ class CohortGraphs:
         c.weights, c.momentum, c.fixed = canonical.weights, canonical.momentum, canonical.fixed
         c.offsets_on[offsets_key] = canonical.offsets
         self.canonical = canonical
-
-    def finish(self) -> None:
-        """After the cohort's last step: its weights its own again (the next cohort overwrites the canonical stacks)."""
-        if self.canonical is not None:
-            c = self.cohort
-            c.weights = [w.clone() for w in c.weights]
-            c.momentum = [m.clone() for m in c.momentum]
 
     def _checked_step_then_capture(self, ks: list[int], group: list, key: tuple) -> torch.Tensor:
         c = self.cohort

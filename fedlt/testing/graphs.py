@@ -8,7 +8,8 @@ Python numbers frozen at capture, host synchronisations refused), so what a wron
 hidden per-client state would do on CUDA shows here. Two rounds of three clients whose class
 counts differ (their logit-adjustment offsets differ: a graph that read the first client's would
 be caught), all clients in both rounds, by iterations (5 steps, each client its own B_k) and by
-epochs (batch 8: a short last batch, a second graph). Compared: the server's state, every
+epochs (batch 8: a short last batch, a second graph); with ``cohort`` N, both sides in cohorts of
+N (a cohort's group step captured per group size and batch shape). Compared: the server's state, every
 client's state and the round metrics, bitwise (:data:`TOLERANCE`: a replay reruns the very
 operators of the eager step, in its order, on the CPU's deterministic kernels). One that captures
 must have replayed steps (no silent fallback).
@@ -22,6 +23,7 @@ from typing import Any
 
 import fedlt.algorithms
 from fedlt.algorithms import graphs
+from fedlt.algorithms.cohort import with_cohort
 from fedlt.algorithms.fedavg_family import graphs_reason
 from fedlt.algorithms.protocol import LocalRunner
 from fedlt.config import RunConfig
@@ -36,11 +38,13 @@ BACKEND = "recorded"
 
 
 def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, *, replayed: bool = False,
-                 **settings: Any) -> None:
+                 cohort: int = 1, **settings: Any) -> None:
     """Check an algorithm (registered name or factory) with whole-step graphs on the CPU stand-in
     against its eager steps (see the module). ``settings`` override
     :data:`fedlt.testing.algorithms.TINY` (default here: ``mlp``, 3 clients, all sampled).
-    ``replayed``: a stated fallback fails too (an algorithm whose steps must be captured)."""
+    ``replayed``: a stated fallback fails too (an algorithm whose steps must be captured).
+    ``cohort``: both sides train in cohorts of that size (fedlt.algorithms.cohort_graphs captures
+    the cohort's step); with 6 clients, two cohorts of one kind share the canonical stacks in a round."""
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-graphs-") as tmp:
         c = Contract(f"algorithm {name!r}")
@@ -51,10 +55,10 @@ def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, *, replay
             with c.property("same as eager", label):
                 eager_prep = prepare(config)
                 counts = {tuple(map(int, n)) for n in eager_prep.counts[:config.clients]}
-                eager = two_rounds(eager_prep, config, LocalRunner())
+                eager = two_rounds(eager_prep, config, with_cohort(LocalRunner(), cohort))
                 with graphs.default_backend(BACKEND):
                     prep = prepare(config.model_copy(update={"graphs": True}))
-                    fast = two_rounds(prep, config, LocalRunner())
+                    fast = two_rounds(prep, config, with_cohort(LocalRunner(), cohort))
             c.check(len(counts) > 1, "clients differ", f"{label}: every client has the same class counts, so a "
                     "graph reading another client's state could not be told apart")
             _check_one(c, label, prep.algorithm, eager, fast, replayed)
