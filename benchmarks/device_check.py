@@ -325,13 +325,16 @@ def _graphs_algorithms(device, sizes, tmp: Path) -> dict:
     rows = []
     # the registry under fused="auto" (the reference at these sizes), then per-client offsets through
     # the Triton kernels under capture (fused="on": each client's table must be the one replayed)
-    runs = [(name, {}) for name in sizes["graphs_algorithms"] or fedlt.algorithms.REGISTRY.list()]
-    for name, extra in runs + [(name, {"fused": "on"}) for name in sizes["graphs_fused_on"]]:
+    # and each one's cohort (3 clients a round, one cohort) eager vs --graphs (fedlt.algorithms.cohort_graphs)
+    names = sizes["graphs_algorithms"] or fedlt.algorithms.REGISTRY.list()
+    runs = [(name, {}) for name in names] + [(name, {"fused": "on"}) for name in sizes["graphs_fused_on"]]
+    for name, extra in runs + [(name, {"cohort": 3}) for name in names]:
         # 6 steps a client: its first eager, the second checked and captured, the rest replayed
         base = dict(TINY_RUN, algorithm=name, rounds=1, eval_every=1, local_iters=6, device=str(device),
                     algorithm_params=SMALL_PARAMS.get(name, {})) | extra
-        tag = name + ("-fused" if extra else "")
-        row: dict = {"algorithm": name + (" (fused on)" if extra else "")}
+        label = " (fused on)" if "fused" in extra else " (cohort 3)" if "cohort" in extra else ""
+        tag = name + label.replace(" ", "-")
+        row: dict = {"algorithm": name + label}
         try:
             base["model"] = row["model"] = split_model_for(RunConfig(**base, out=tmp / "probe"))
             eager = _run(tmp / f"graphs-{tag}-eager", **base)[0]

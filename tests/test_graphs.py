@@ -262,3 +262,28 @@ def test_a_cohort_whose_clients_need_their_own_python_says_why_and_equals_eager(
         check_graphs("scaffold", cohort=3, clients=6)  # its correct hook edits each client's gradient
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "plain offset cross-entropy only" in said and "ScaffoldUpdate overrides ClientUpdate.correct" in said
+
+
+def test_a_client_whose_objects_are_built_alike_replays_its_first_step_too():
+    """FedAvg's cross-entropy builds nothing in its first call, so once round 1 has captured every
+    batch shape, every step of round 2 replays, each client's first included (its momentum from
+    zero); the contract holds the result equal to eager (test_the_family_replays_or_says_why)."""
+    from fedlt.algorithms.base import ClientData
+    from fedlt.algorithms.protocol import ClientStates, LocalRunner
+    from fedlt.config import RunConfig
+    from fedlt.engine import prepare, train_round
+    from fedlt.testing.algorithms import TINY
+
+    config = RunConfig(**dict(TINY, model="mlp", clients=3, participation=1.0, local_epochs=1, batch_size=8,
+                              algorithm="fedavg", graphs=True))
+    with graphs.default_backend("recorded"):
+        prep, states, replayed, steps = prepare(config), ClientStates(), [], []
+        for r in range(2):
+            clients = [ClientData(cid, prep.data.x_train[idx], prep.data.y_train[idx], prep.counts[cid])
+                       for cid, idx in ((c, torch.as_tensor(prep.partition.client_indices[c])) for c in range(3))]
+            before = graphs.totals()["replays"]
+            train_round(prep.algorithm, prep.ctx, r, clients, states, LocalRunner())
+            replayed.append(graphs.totals()["replays"] - before)
+            steps.append(sum(-(-len(c) // 8) for c in clients))
+    assert graphs.failure(prep.algorithm._work) is None
+    assert replayed[0] < steps[0] and replayed[1] == steps[1]

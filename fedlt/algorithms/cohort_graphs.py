@@ -16,8 +16,8 @@ Captured: :meth:`fedlt.algorithms.cohort.Cohort.plain_step` — a plain offset c
 step (no ``correct``, ``stepped``, ``ascent`` or ``step_input``), no BatchNorm statistics,
 float32. Anything else trains in the eager cohort, the reason stated once. The first step of a
 shape is a checked eager step (host synchronisations, random operators and host copies refused,
-as for one client's graphs); a step whose momentum has not started yet (every client's first)
-runs eagerly: torch's first step allocates the buffer.
+as for one client's graphs). The momentum buffers start at zero, so a client's first step (torch
+makes the buffer d_p; μ·0 + d_p is d_p) is replayed like the others.
 """
 
 from __future__ import annotations
@@ -99,10 +99,8 @@ class CohortGraphs:
         self.failed: str | None = None
 
     def takes(self, ks: Sequence[int]) -> bool:
-        """Whether the group's step runs here: no fallback yet, and every client of it past its
-        first step with momentum (torch's first step allocates the buffer: eagerly)."""
-        c = self.cohort
-        return self.failed is None and (not c.schedule.momentum or all(set(ks) <= s for s in c.started))
+        """Whether the group's step runs here (no fallback yet)."""
+        return self.failed is None
 
     def step(self, ks: list[int], group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The group's step: replayed, or a checked eager step (then captured) where its shape has
@@ -143,6 +141,10 @@ class CohortGraphs:
                         [*mine.weights, *mine.momentum, *mine.fixed.values(), mine.offsets])
         c.weights, c.momentum, c.fixed = canonical.weights, canonical.momentum, canonical.fixed
         c.offsets_on[offsets_key] = canonical.offsets
+        # every client's momentum as started: at the cohort's first step its buffers are zero, and
+        # μ·0 + d_p is the d_p torch's first step makes the buffer, so the first step is one graph too
+        for started in c.started:
+            started.update(range(len(c.clients)))
         self.canonical = canonical
 
     def _checked_step_then_capture(self, ks: list[int], group: list, key: tuple) -> torch.Tensor:

@@ -153,7 +153,7 @@ class ClientUpdate:
         steps = 0
         for x, y in task.data.batches(index_batches(task, generator, private)):
             x = augment(x).contiguous(memory_format=layout) if x.dim() == 4 else augment(x)
-            step_parts = replay.step(optimiser, x, y) if replay is not None and steps else step(state, optimiser, x, y)
+            step_parts = replay.step(optimiser, x, y) if replay is not None else step(state, optimiser, x, y)
             for name, value in step_parts.items():
                 parts.setdefault(name, []).append(value.detach())
             self.stepped(local, model, x, y, steps)

@@ -17,10 +17,13 @@ or the client needs a graph of its own), and after its last step copied back (a 
 them: ``end`` and ``state_dict`` read the client's own objects). Anything the walk cannot see
 through is a stated fallback.
 
-Each client's first step runs eagerly with its own fresh optimiser (it builds what the step
-caches lazily: a loss term's per-device offsets); its momentum buffers are then loaded into the
-persistent optimiser's. A step that changes Python-level state (an attribute set to a new tensor,
-a counter) is refused: its graph would freeze it.
+A client's first step replays too where its objects, as built, already have the structure of a
+group's (a plain cross-entropy); where a loss term builds caches in its first call (a per-device
+offset table), that first step runs eagerly with the client's own fresh optimiser and the objects
+are walked after it. The client's momentum buffers are loaded into the persistent optimiser's (zero
+for a client that has not stepped: SGD's first step makes its buffer d_p, as μ·0 + d_p does) and
+handed back after its last step. A step that changes Python-level state (an attribute set to a new
+tensor, a counter) is refused: its graph would freeze it.
 
 Two backends behind one interface: CUDA (:class:`CudaGraph`, ``torch.cuda.CUDAGraph``, the
 whole-network recipe of PyTorch's "CUDA Graphs" notes: warm-up on a side stream, gradients set to
@@ -419,7 +422,7 @@ def _momentum(optimiser: torch.optim.Optimizer, params: Sequence[torch.Tensor]) 
 
 
 class ClientGraphs:
-    """One client's steps after its first, replayed (``step``), then its state handed back (``finish``).
+    """One client's steps, replayed (``step``), then its state handed back (``finish``).
 
     ``step_fn(state, optimiser, x, y)`` is the loop's step (returns the loss's named parts);
     ``make_optimiser(params)`` the schedule's optimiser; ``settings`` what else the graph bakes in."""
@@ -435,12 +438,16 @@ class ClientGraphs:
         self.group: Group | None = None
         self.optimiser: torch.optim.Optimizer | None = None
         self.last: Captured | None = None
+        self.steps = 0
 
     # -- per step ------------------------------------------------------------------------------
     def step(self, optimiser: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One step of the client after its first (``optimiser``: the client's own): replayed;
-        where its shape has no graph yet, a checked eager step, then the capture for the steps
-        after it; eager once a reason to run eagerly has come up."""
+        """One step of the client (``optimiser``: the client's own): replayed; where its shape has
+        no graph yet, a checked eager step, then the capture for the steps after it; eager once a
+        reason to run eagerly has come up. The first step replays only where the client's objects
+        as built already have a group's structure (a loss term that builds caches in its first
+        call has not: its first step runs eagerly, and the objects are walked again after it)."""
+        first, self.steps = self.steps == 0, self.steps + 1
         if self.failed is not None:
             return self.step_fn(self.state, optimiser, x, y)
         try:
@@ -452,6 +459,9 @@ class ClientGraphs:
             graph = group.graphs.get(_shape(x, y)) if group is not None else None
         except CaptureRefused as exc:
             self._give_up(str(exc), optimiser)
+            return self.step_fn(self.state, optimiser, x, y)
+        if graph is None and first:
+            self.walked = None
             return self.step_fn(self.state, optimiser, x, y)
         if graph is None:
             return self._checked_step_then_capture(optimiser, x, y)
@@ -601,9 +611,18 @@ class ClientGraphs:
         self.group = None
 
     def _copy_momentum(self, into: torch.optim.Optimizer, source: torch.optim.Optimizer) -> None:
-        """``source``'s momentum buffers into ``into``'s, where both have one."""
-        buffers = [(a, b) for a, b in zip(_momentum(into, self.params), _momentum(source, self.params))
-                   if a is not None and b is not None]
+        """``source``'s momentum buffers into ``into``'s. A buffer ``into`` lacks is made (a client
+        whose steps all replayed hands its momentum back); one ``source`` lacks is zero in ``into``
+        (a client that has not stepped: the buffer its next step makes is d_p, as torch's first
+        step makes it — SGD without dampening)."""
+        buffers = []
+        for p, a, b in zip(self.params, _momentum(into, self.params), _momentum(source, self.params)):
+            if b is None and a is not None:
+                a.zero_()
+            elif a is None and b is not None:
+                into.state[p]["momentum_buffer"] = b.clone()
+            elif a is not None:
+                buffers.append((a, b))
         transfer([a for a, _ in buffers], [b for _, b in buffers])
 
     def finish(self, optimiser: torch.optim.Optimizer) -> None:
