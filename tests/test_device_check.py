@@ -26,7 +26,7 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert json.loads((tmp_path / "check.json").read_text())["sections"].keys() == result["sections"].keys()
     sections = result["sections"]
     assert set(sections) == {"doctor", "overheads", "kernels", "fused_vs_eager", "algorithms", "pfllib_mnist",
-                             "graphs", "scala_s2", "bf16", "profile", "resnet18_cifar"}
+                             "graphs", "scala_s2", "bf16", "profile", "graphs_profile", "resnet18_cifar"}
     assert not [name for name, s in sections.items() if "error" in s]
     assert result["device"] == "cpu" and result["dry_run"]
     assert sections["kernels"]["all_passed"]  # the Triton kernels under the interpreter
@@ -37,14 +37,18 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     assert timings["cohort_fallback"] is None  # FedAvgCNN has no BatchNorm or dropout: the cohort runs
     assert "skipped" in timings["device --cohort 10 --compile"]  # inductor's compile: not in the suite's time
     graphs = sections["graphs"]  # the CPU stand-in's graphs: the same numbers as eager, steps replayed
-    assert graphs["pfllib_mnist"]["loss_gap"] == 0 and graphs["pfllib_mnist"]["device sequential --graphs"]["captured"]
-    assert graphs["algorithms"]["largest_loss_gap"] == 0 and graphs["algorithms"]["replayed"] == ["fedavg"]
+    for fast in ("device sequential --graphs", "device --cohort 10 --graphs"):  # one client at a time, a cohort
+        assert graphs["pfllib_mnist"][fast]["loss_gap"] == 0 and graphs["pfllib_mnist"][fast]["captured"]
+    assert graphs["algorithms"]["largest_loss_gap"] == 0
+    assert graphs["algorithms"]["replayed"] == ["fedavg", "fedavg (cohort 3)"]
     assert 0 <= sections["bf16"]["bf16"]["accuracy"] <= 1 and sections["scala_s2"]["seconds_per_round"] > 0
     assert {r["probe"] for r in sections["fused_vs_eager"]["per_probe"]} >= {"logit_adjust", "fedvls", "offset_ce_pair"}
     assert all(r["fused_ms"] > 0 for r in sections["overheads"]["per_call"].values() if "fused_ms" in r)
     assert sections["overheads"]["per_call"]["logit_adjust fwd+bwd 10x10 eager"]["wall_us"] > 0
-    for task in ("pfllib", "pfllib_cohort", "scala"):  # the phases add up to the round (the rest is "other Python")
-        found = sections["profile"]["tasks"][task]
+    profiled = [("profile", t) for t in ("pfllib", "pfllib_cohort", "scala")] + \
+        [("graphs_profile", t) for t in ("pfllib_graphs", "pfllib_cohort_graphs")]
+    for section, task in profiled:  # the phases add up to the round (the rest is "other Python")
+        found = sections[section]["tasks"][task]
         assert sum(p["cpu_s"] for p in found["phases"]) == pytest.approx(found["round_cpu_s"])
         assert found["operators"]["python_ops"] > 0
     assert sections["resnet18_cifar"]["seconds_per_round"] > 0

@@ -5,7 +5,9 @@ caught; what cannot be captured says why.
 
 The suite runs the contract on fedlogit (per-client offsets), fedprox (per-client anchors) and
 fedvls (a teacher reading the received weights), on a variant with a tensor in ``local`` and on a
-stated fallback (fedgrab); the whole registry is the ``slow`` sweep (FEDLT_SLOW=1)."""
+stated fallback (fedgrab); with cohorts (fedlt.algorithms.cohort_graphs) on fedavg, fedlogit and
+two stated fallbacks; the whole family, one client at a time and in cohorts, is the ``slow``
+sweep (FEDLT_SLOW=1)."""
 
 from dataclasses import dataclass
 
@@ -254,6 +256,20 @@ def test_a_cohort_s_replayed_steps_equal_its_eager_steps_bit_for_bit(name):
     """Six clients in cohorts of three: two cohorts of one kind train on the same canonical stacks
     in round 1 (each copies its own in), cohorts of 3 and 2 in round 2."""
     check_graphs(name, replayed=True, cohort=3, clients=6)
+
+
+# FedAvg-family algorithms whose steps replay under --graphs --cohort 3 on the CPU stand-in: the
+# cohort's graphs (a plain offset cross-entropy), or one client's graphs where the cohort refuses
+# the algorithm (ditto, feddecorr, fedgela, fednh, fednpc); the others train in the eager cohort, said
+COHORT_REPLAYED = {"ccvr", "creff", "ditto", "fedavg", "fedavg_ft", "fedbabu", "feddecorr", "fedetf", "fedexp",
+                   "fedgela", "fedic", "fedlogit", "fednh", "fednova", "fednpc", "fedper", "fedrep", "lg_fedavg",
+                   "local"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FEDAVG_FAMILY)
+def test_the_family_s_cohorts_replay_or_say_why(name):
+    check_graphs(name, cheap.params(name), replayed=name in COHORT_REPLAYED, cohort=3, clients=6)
 
 
 def test_a_cohort_whose_clients_need_their_own_python_says_why_and_equals_eager(caplog):
