@@ -394,14 +394,14 @@ def graphs_notice(algorithm: Any, device: torch.device) -> str:
     if graphs.BACKEND != "cuda":
         return (f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} "
                 "(for tests: no faster)")
-    return (f"fedlt: --graphs: each client's steps after its first replayed as one CUDA graph per batch shape on "
-            f"{device} (the first round captures them)")
+    return (f"fedlt: --graphs: the local steps replayed as CUDA graphs on {device}, one per batch shape (with "
+            "--cohort, per group size and batch shape); the first rounds capture them")
 
 
 def graphs_fallback(algorithm: Any, device: torch.device) -> str | None:
     """Why a run with ``--graphs`` trained eagerly (``summary.json``'s ``graphs_fallback``): the
-    algorithm's or the device's reason, else the first refusal met in this process (None: every
-    step after a client's first was replayed)."""
+    algorithm's or the device's reason, else the first refusal met in this process (None: the
+    steps were replayed, but for the eager ones a new batch shape or a loss term's first call needs)."""
     return (graphs_reason(algorithm) or graphs.device_reason(graphs.BACKEND, device)
             or graphs.failure(getattr(algorithm, "_work", None)))
 
