@@ -289,12 +289,18 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
     base, p = _pfllib(sizes), sizes["pfllib"]
     rounds = p["graphs_rounds"]  # more rounds than the other sections: new batch shapes are captured in early rounds
     out: dict = {}
-    for label, on, cohort in (("device sequential", False, 1), ("device sequential --graphs", True, 1),
-                              ("device --cohort 10", False, 10), ("device --cohort 10 --graphs", True, 10)):
+    # the task with fedlt's SGD defaults (momentum 0.9, clip 10: the rows of every earlier lease), and
+    # with PFLlib's own client (clientbase.py: SGD(lr) without momentum or clip, drop_last=True)
+    pfllib_sgd = dict(optimiser={"lr": 0.005, "momentum": 0.0, "clip": None}, drop_last=True)
+    for label, on, cohort, own in (("device sequential", False, 1, {}), ("device sequential --graphs", True, 1, {}),
+                                   ("device --cohort 10", False, 10, {}), ("device --cohort 10 --graphs", True, 10, {}),
+                                   ("PFLlib's SGD: device sequential", False, 1, pfllib_sgd),
+                                   ("PFLlib's SGD: device sequential --graphs", True, 1, pfllib_sgd),
+                                   ("PFLlib's SGD: device --cohort 10 --graphs", True, 10, pfllib_sgd)):
         try:  # one run's failure is its row's
             before = step_graphs.totals()
-            summary, rows = _run(tmp / f"graphs-pfllib-{on}-{cohort}", **base, rounds=rounds, eval_every=rounds,
-                                 device=str(device), graphs=on, cohort=cohort)
+            summary, rows = _run(tmp / f"graphs-pfllib-{on}-{cohort}-{bool(own)}", **(base | own), rounds=rounds,
+                                 eval_every=rounds, device=str(device), graphs=on, cohort=cohort)
             after = step_graphs.totals()
             late = [r["train_s"] for r in rows[len(rows) // 2:]]
             out[label] = {"seconds_per_round": _seconds_per_round(rows), "rounds": rounds,
@@ -309,7 +315,8 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
         except Exception as exc:  # noqa: BLE001  (recorded, with its last frames)
             out[label] = {"error": f"{type(exc).__name__}: {exc}"[:400],
                           "where": traceback.format_exc().strip().splitlines()[-4:]}
-    for eager, fast in (("device sequential", "device sequential --graphs"), ("device --cohort 10", "device --cohort 10 --graphs")):
+    for eager, fast in (("device sequential", "device sequential --graphs"), ("device --cohort 10", "device --cohort 10 --graphs"),
+                        ("PFLlib's SGD: device sequential", "PFLlib's SGD: device sequential --graphs")):
         if "seconds_per_round" in out[eager] and "seconds_per_round" in out[fast]:
             out[fast]["speedup"] = out[eager]["seconds_per_round"] / out[fast]["seconds_per_round"]
             out[fast]["loss_gap"] = abs(out[eager]["loss"] - out[fast]["loss"])
