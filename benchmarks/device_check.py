@@ -20,16 +20,20 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
    one local epoch of batch 10): sequential on the device, ``--cohort 10`` on the device, both
    again with ``--compile`` (CUDA graphs; the first round, which compiles, reported apart as
    ``first_round_s``), the CPU;
-   ``graphs``: the same task one client after another, eager vs ``--graphs`` (whole-step CUDA
-   graphs; the first round, which captures, apart), and every registered algorithm one round
-   with and without ``--graphs`` on the device (test-loss gap, the fallback reason), then
-   ``fedlogit`` and ``fedvls`` again with ``fused="on"`` (per-client tables read by the Triton
-   kernels inside the captured step);
+   ``graphs``: the same task over 10 rounds, eager vs ``--graphs`` (whole-step CUDA graphs; the
+   first round, which captures, apart), one client after another and in cohorts of 10, with
+   fedlt's SGD defaults and with PFLlib's own (no momentum, no clip, drop_last); every registered
+   algorithm one round with and without ``--graphs`` on the device (test-loss gap, the fallback
+   reason), one client at a time and in one cohort of 3; ``fedlogit`` and ``fedvls`` again with
+   ``fused="on"`` (per-client tables read by the Triton kernels inside the captured step).
+   ``graphs_pfllib`` (``--only`` only): the task's rows alone, for a short lease;
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
 7. ``bf16``: FedAvg on PFLlib's task, accuracy after 5 rounds in float32 and in bf16;
 8. ``profile``: ``benchmarks/profile_round.py`` on the device — one round of PFLlib's task (one
    client after another, and ``--cohort 10``) and of SCALA s2 by phase (forward, backward, optimiser, clip, slicing, host syncs, evaluation,
    aggregation, checkpoint) and torch.profiler's operators; its tables go beside the JSON;
+   ``graphs_profile``: the same for PFLlib's task under ``--graphs`` (one client at a time and in
+   cohorts of 10), with the device's busy time and its kernels (a replayed round's floor);
 9. ``resnet18_cifar``: a CIFAR-10-shaped round of ResNet-18 (``resnet18_cifar``), 100 clients at
    10 %, one local epoch of batch 32, on synthetic data of CIFAR's shape (nothing is downloaded),
    with the GPU's utilisation sampled every 0.2 s while it trains.
