@@ -275,8 +275,8 @@ def test_the_family_s_cohorts_replay_or_say_why(name):
 
 def test_a_cohort_whose_clients_need_their_own_python_says_why_and_equals_eager(caplog):
     with caplog.at_level("INFO", logger="fedlt"):
-        check_graphs("fedprox", cohort=3, clients=6)  # its proximal term reads each client's anchor
-        check_graphs("scaffold", cohort=3, clients=6)  # its correct hook edits each client's gradient
+        check_graphs("fedprox", cohort=3)  # its proximal term reads each client's anchor
+        check_graphs("scaffold", cohort=3)  # its correct hook edits each client's gradient
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "plain offset cross-entropy only" in said and "ScaffoldUpdate overrides ClientUpdate.correct" in said
 
