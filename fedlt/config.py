@@ -224,7 +224,8 @@ class RunConfig(Strict):
     graphs: bool = Field(False, description="FedAvg family on CUDA: each client's local step (forward, loss, backward, "
                          "clip, optimiser) captured once per batch shape as a CUDA graph and replayed; with --cohort N the "
                          "cohort's vmapped step, once per group size and batch shape; elsewhere the steps run "
-                         "eagerly, said (docs/gpu.md#whole-step-cuda-graphs)")
+                         "eagerly, said; with --compile the compiled kernels inside the captured step "
+                         "(docs/gpu.md#whole-step-cuda-graphs)")
     availability: dict[str, Any] = Field(default_factory=lambda: {"name": "always"},
                                          description="client availability spec: always, bernoulli(p=...), "
                                                      "markov(p_on=..., p_off=...), straggler(...), scripted(...)")
@@ -253,15 +254,6 @@ class RunConfig(Strict):
     stop_at_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False,
                                           description="the privacy budget: the run stops before the round whose ε "
                                                       "would exceed it (docs/privacy.md)")
-
-    @model_validator(mode="after")
-    def _graphs_alone(self) -> "RunConfig":
-        """Whole-step graphs capture the eager step (one client's, or a cohort's vmapped one): a
-        compiled step records CUDA graphs of its own, which cannot nest in ours."""
-        if self.graphs and self.compile:
-            raise ValueError("graphs: captures the whole eager step, compile records CUDA graphs of its own inside "
-                             "it (they cannot nest); choose one (--graphs or --compile)")
-        return self
 
     @model_validator(mode="after")
     def _budget_needs_a_mechanism(self) -> "RunConfig":

@@ -153,14 +153,28 @@ def test_off_by_default_and_a_flag(resolved):
     assert RunConfig().graphs is False and resolved("--graphs").graphs is True
 
 
-def test_graphs_exclude_compile_and_combine_with_cohorts():
-    from pydantic import ValidationError
-
+def test_graphs_combine_with_cohorts_and_compile():
     from fedlt.config import RunConfig
 
-    with pytest.raises(ValidationError, match="graphs: .*choose one"):
-        RunConfig(graphs=True, compile=True)
-    assert RunConfig(graphs=True, cohort=4).cohort == 4
+    both = RunConfig(graphs=True, cohort=4, compile=True)
+    assert both.graphs and both.cohort == 4 and both.compile
+
+
+@pytest.mark.parametrize("cohort", [1, 3])
+def test_a_compiled_step_s_graphs_equal_its_eager_compiled_steps(cohort):
+    """``--compile --graphs``: the compiled forward (and backward) inside the captured step, without
+    inductor's own CUDA graphs (compiled.options); on the CPU through aot_eager, whose aten
+    operators the stand-in records."""
+    from torch._dynamo.utils import counters
+
+    compiled_frames = counters["frames"]["ok"]
+    check_graphs("fedavg", replayed=True, compile=True, cohort=cohort, clients=6 if cohort > 1 else 3)
+    assert counters["frames"]["ok"] > compiled_frames  # the forward did go through dynamo
+
+
+def test_the_stand_in_refuses_inductor_s_kernels_it_cannot_record():
+    assert "aot_eager" in graphs.compiled_reason("recorded", "inductor")
+    assert graphs.compiled_reason("recorded", "aot_eager") is None and graphs.compiled_reason("cuda", "inductor") is None
 
 
 def test_on_the_cpu_a_run_says_why_it_runs_eagerly_and_records_it(tmp_path, caplog):

@@ -325,7 +325,8 @@ class Cohort:
         # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
         # for the variants whose sequential step compiles too (step_reason)
         backend = self.schedule.compile if step_reason(type(self.update)) is None else None
-        self.vmapped = vmap(self._forward) if backend is None else compiled.vmapped(model, backend)
+        self.vmapped = vmap(self._forward) if backend is None else \
+            compiled.vmapped(model, backend, cudagraphs=self.schedule.graphs is None)
         self.indices: dict[tuple[int, ...], torch.Tensor] = {}
         # --graphs: the plain step captured per (group size, batch shape) and replayed (None: eager, said)
         self.graphs = cohort_graphs.open(self) if self.schedule.graphs is not None else None

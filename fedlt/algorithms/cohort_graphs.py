@@ -62,7 +62,7 @@ def reason(cohort: Any) -> str | None:
     """Why ``cohort``'s steps cannot be captured (None: they can)."""
     update, schedule = cohort.update, cohort.schedule
     device = cohort.weights[0].device if cohort.weights else torch.device("cpu")
-    found = graphs.device_reason(schedule.graphs, device)
+    found = graphs.device_reason(schedule.graphs, device) or graphs.compiled_reason(schedule.graphs, schedule.compile)
     if found is not None:
         return found
     if schedule.precision != "fp32":

@@ -52,12 +52,14 @@ def default_backend(backend: str) -> Iterator[None]:
         BACKEND = before
 
 
-def options(device: torch.device) -> dict[str, Any]:
+def options(device: torch.device, cudagraphs: bool = True) -> dict[str, Any]:
     """Inductor's options on ``device``: ``mode="reduce-overhead"`` (CUDA graphs) on CUDA, the
-    default mode elsewhere; random operations on torch's generator everywhere."""
+    default mode elsewhere — and on CUDA too without ``cudagraphs`` (under ``--graphs``, whose
+    whole-step graphs capture the compiled kernels: graphs cannot nest); random operations on
+    torch's generator everywhere."""
     import torch._inductor  # only a run that compiles pays for importing inductor
 
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    mode = "reduce-overhead" if device.type == "cuda" and cudagraphs else "default"
     return dict(torch._inductor.list_mode_options(mode)) | {"fallback_random": True}
 
 
@@ -131,15 +133,15 @@ class Compiled:
     after a compilation error, ``eager`` itself (``failed`` says why)."""
 
     def __init__(self, eager: Callable, dims: Callable[[tuple], list[tuple[torch.Tensor, int]]],
-                 device: torch.device, backend: str) -> None:
+                 device: torch.device, backend: str, cudagraphs: bool = True) -> None:
         self.eager, self.dims, self.device = eager, dims, device
         self.failed: str | None = unavailable()
         if backend == "inductor" and device.type == "cpu":
             backend, kwargs = cpu_inductor, {}
         else:
-            kwargs = {"options": options(device)} if backend == "inductor" else {}
+            kwargs = {"options": options(device, cudagraphs)} if backend == "inductor" else {}
         self.compiled = torch.compile(eager, backend=backend, **kwargs) if self.failed is None else eager
-        self.cudagraphs = backend == "inductor" and device.type == "cuda"
+        self.cudagraphs = backend == "inductor" and device.type == "cuda" and cudagraphs
 
     def __call__(self, *args: Any) -> Any:
         if self.failed is not None:
@@ -170,9 +172,9 @@ def reason_of(exc: BaseException) -> str:
 _FORWARD: "weakref.WeakKeyDictionary[nn.Module, dict[str, Compiled]]" = weakref.WeakKeyDictionary()
 
 
-def _cached(model: nn.Module, kind: str, backend: str, make: Callable[[], Compiled]) -> Compiled:
+def _cached(model: nn.Module, kind: str, backend: str, cudagraphs: bool, make: Callable[[], Compiled]) -> Compiled:
     per_model = _FORWARD.setdefault(model, {})
-    key = f"{kind}/{backend}"
+    key = f"{kind}/{backend}/{'cudagraphs' if cudagraphs else 'plain'}"
     if key not in per_model:
         per_model[key] = make()
     return per_model[key]
@@ -182,18 +184,19 @@ def _device(model: nn.Module) -> torch.device:
     return next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
 
 
-def forward(model: nn.Module, backend: str = BACKEND) -> Compiled:
-    """``model(x)`` compiled, its batch dimension dynamic: the plain step's forward."""
+def forward(model: nn.Module, backend: str = BACKEND, cudagraphs: bool = True) -> Compiled:
+    """``model(x)`` compiled, its batch dimension dynamic: the plain step's forward (``cudagraphs``:
+    inductor's own CUDA graphs on CUDA; off under ``--graphs``, :func:`options`)."""
     ref = weakref.ref(model)  # the cache holds the module weakly: the graph must not keep it alive
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return ref()(x)
 
-    return _cached(model, "forward", backend, lambda: Compiled(call, lambda args: [(args[0], 0)], _device(model),
-                                                                 backend))
+    return _cached(model, "forward", backend, cudagraphs,
+                   lambda: Compiled(call, lambda args: [(args[0], 0)], _device(model), backend, cudagraphs))
 
 
-def vmapped(model: nn.Module, backend: str = BACKEND) -> Compiled:
+def vmapped(model: nn.Module, backend: str = BACKEND, cudagraphs: bool = True) -> Compiled:
     """``vmap(functional_call(model, ·, ·))(stacked_params, x)`` compiled, the client dimension of
     the stacked weights and inputs and the batch dimension of the inputs dynamic: a cohort's step."""
     ref = weakref.ref(model)
@@ -205,7 +208,7 @@ def vmapped(model: nn.Module, backend: str = BACKEND) -> Compiled:
         params, x = args
         return [(x, 0), (x, 1), *((t, 0) for t in params.values())]
 
-    return _cached(model, "vmapped", backend, lambda: Compiled(call, dims, _device(model), backend))
+    return _cached(model, "vmapped", backend, cudagraphs, lambda: Compiled(call, dims, _device(model), backend, cudagraphs))
 
 
 _EAGER: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()

@@ -198,6 +198,7 @@ class ClientUpdate:
         if backend is None:
             return None
         reason = (graph_reason(type(self)) or graphs.device_reason(backend, task.data.x.device)
+                  or graphs.compiled_reason(backend, task.schedule.compile)
                   or ("DP-SGD's per-sample step (--privacy sample_level) runs eagerly" if private is not None else None)
                   or ("--precision bf16: autocast's weight cache cannot be captured (PyTorch's CUDA graphs notes)"
                       if task.schedule.precision != "fp32" else None))
@@ -223,7 +224,7 @@ class ClientUpdate:
         if reason is not None:
             compiled.left_eager(model, reason)
             return model
-        return compiled.forward(model, backend)
+        return compiled.forward(model, backend, cudagraphs=task.schedule.graphs is None)  # ours capture it whole
 
     def generator(self, task: ClientTask) -> torch.Generator:
         """The minibatch-order stream: the client's round stream; a fine-tune draws from its own."""

@@ -235,6 +235,16 @@ def device_reason(backend: str, device: torch.device) -> str | None:
     return None
 
 
+def compiled_reason(backend: str, compile_backend: str | None) -> str | None:
+    """Why a step compiled with ``compile_backend`` cannot be captured with ``backend`` (None: it
+    can): the CPU stand-in records aten operators, and inductor's CPU kernels run outside them, so
+    a replay would skip the forward (the contract compiles with ``aot_eager``, aten operators)."""
+    if backend == "recorded" and compile_backend == "inductor":
+        return ("the CPU stand-in records aten operators, and inductor's compiled kernels run outside them "
+                "(compile with aot_eager to check a compiled step's graphs on the CPU)")
+    return None
+
+
 # -- the per-client objects a step reads, as a structure -------------------------------------------
 @dataclass
 class StepState:
@@ -682,5 +692,5 @@ def _python_change(before: Structure, after: Structure) -> str | None:
 
 
 __all__ = ["BACKEND", "BACKENDS", "CaptureRefused", "ClientGraphs", "CudaGraph", "MAX_GRAPHS", "RecordedGraph",
-           "StepState", "Structure", "captured", "default_backend", "device_reason", "failure", "left_eager",
+           "StepState", "Structure", "captured", "compiled_reason", "default_backend", "device_reason", "failure", "left_eager",
            "replays", "structure", "totals", "transfer"]

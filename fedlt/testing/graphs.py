@@ -17,12 +17,13 @@ must have replayed steps (no silent fallback).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import fedlt.algorithms
-from fedlt.algorithms import graphs
+from fedlt.algorithms import compiled, graphs
 from fedlt.algorithms.cohort import with_cohort
 from fedlt.algorithms.fedavg_family import graphs_reason
 from fedlt.algorithms.protocol import LocalRunner
@@ -44,7 +45,8 @@ def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, *, replay
     :data:`fedlt.testing.algorithms.TINY` (default here: ``mlp``, 3 clients, all sampled).
     ``replayed``: a stated fallback fails too (an algorithm whose steps must be captured).
     ``cohort``: both sides train in cohorts of that size (fedlt.algorithms.cohort_graphs captures
-    the cohort's step); with 6 clients, two cohorts of one kind share the canonical stacks in a round."""
+    the cohort's step); with 6 clients, two cohorts of one kind share the canonical stacks in a round.
+    ``compile=True`` (a setting): both sides compile the step's forward, with ``aot_eager``."""
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-graphs-") as tmp:
         c = Contract(f"algorithm {name!r}")
@@ -52,7 +54,9 @@ def check_graphs(algorithm: Any, params: dict[str, Any] | None = None, *, replay
             algorithm=name, algorithm_params=dict(params or {}), out=Path(tmp) / "run")
         for label, schedule in SCHEDULES.items():
             config = RunConfig(**(base | schedule))
-            with c.property("same as eager", label):
+            # a compiled step on the CPU through aot_eager: aten operators, which the stand-in records
+            backend = compiled.default_backend("aot_eager") if config.compile else contextlib.nullcontext()
+            with c.property("same as eager", label), backend:
                 eager_prep = prepare(config)
                 counts = {tuple(map(int, n)) for n in eager_prep.counts[:config.clients]}
                 eager = two_rounds(eager_prep, config, with_cohort(LocalRunner(), cohort))
