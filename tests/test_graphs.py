@@ -326,3 +326,26 @@ def test_a_cohort_whose_capture_fails_mid_way_continues_eagerly_exactly(monkeypa
         check_graphs("fedavg", cohort=3, clients=6)
     assert len(captures) > 2
     assert "capture failed: RuntimeError: capture invalidated" in " ".join(r.getMessage() for r in caplog.records)
+
+
+class _DoubleHead(torch.nn.Module):
+    """A float32 body under a float64 head: the logits' dtype is not the first weights'."""
+
+    def __init__(self, in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(in_chans * image_size * image_size, 16)
+        self.head = torch.nn.Linear(16, num_classes).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x.flatten(1))).double())
+
+
+def test_a_cohort_whose_logits_are_not_in_its_weights_dtype_says_why_and_equals_eager(caplog):
+    """The canonical offsets are keyed by the weights' dtype; float64 logits from float32 weights
+    made each cohort an offsets table of its own, which the graph of the first cohort of a kind
+    read for every later one (fedlogit's round-2 train loss 2.47 off, relative): now refused, said."""
+    import fedlt.models
+
+    with fedlt.models.REGISTRY.temporary("double_head", _DoubleHead), caplog.at_level("INFO", logger="fedlt"):
+        check_graphs("fedlogit", cohort=3, clients=6, model="double_head")
+    assert "the model's logits are not in its weights' dtype" in " ".join(r.getMessage() for r in caplog.records)
