@@ -193,7 +193,7 @@ class ClientUpdate:
     def step_graphs(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter], step: Callable,
                     state: graphs.StepState, private: PrivateStep | None) -> graphs.ClientGraphs | None:
         """Under ``--graphs`` (a schedule with a backend) the replayer of this client's steps
-        after its first (fedlt.algorithms.graphs), or None: eager steps (the reason noted)."""
+        (fedlt.algorithms.graphs), or None: eager steps (the reason noted)."""
         backend = task.schedule.graphs
         if backend is None:
             return None
@@ -394,14 +394,14 @@ def graphs_notice(algorithm: Any, device: torch.device) -> str:
     if graphs.BACKEND != "cuda":
         return (f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} "
                 "(for tests: no faster)")
-    return (f"fedlt: --graphs: each client's steps after its first replayed as one CUDA graph per batch shape on "
-            f"{device} (the first round captures them)")
+    return (f"fedlt: --graphs: the local steps (a cohort's, with --cohort) replayed as one CUDA graph per batch "
+            f"shape on {device} (the first round captures them)")
 
 
 def graphs_fallback(algorithm: Any, device: torch.device) -> str | None:
     """Why a run with ``--graphs`` trained eagerly (``summary.json``'s ``graphs_fallback``): the
     algorithm's or the device's reason, else the first refusal met in this process (None: every
-    step after a client's first was replayed)."""
+    step this process ran was replayed, or its steps' first checked one)."""
     return (graphs_reason(algorithm) or graphs.device_reason(graphs.BACKEND, device)
             or graphs.failure(getattr(algorithm, "_work", None)))
 
