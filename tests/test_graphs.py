@@ -349,3 +349,33 @@ def test_a_cohort_whose_logits_are_not_in_its_weights_dtype_says_why_and_equals_
     with fedlt.models.REGISTRY.temporary("double_head", _DoubleHead), caplog.at_level("INFO", logger="fedlt"):
         check_graphs("fedlogit", cohort=3, clients=6, model="double_head")
     assert "the model's logits are not in its weights' dtype" in " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_cuda_warm_up_that_raises_is_waited_for_before_the_state_is_restored(monkeypatch):
+    """The warm-up runs on a side stream; one that raises (out of memory) may leave kernels queued
+    there, so the current stream waits for it before the saved weights and momentum are copied back
+    (else a late warm-up kernel overwrites the restored state). Streams faked: no CUDA here."""
+    from contextlib import nullcontext
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append((self.name, other.name))
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    backend = graphs.CudaGraph.__new__(graphs.CudaGraph)
+    backend.device = torch.device("cuda")
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        backend.warm_up(out_of_memory, 3)
+    assert waits == [("side", "current"), ("current", "side")]
