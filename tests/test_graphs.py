@@ -318,3 +318,78 @@ def test_a_client_whose_objects_are_built_alike_replays_its_first_step_too():
             steps.append(sum(-(-len(c) // 8) for c in clients))
     assert graphs.failure(prep.algorithm._work) is None
     assert replayed[0] < steps[0] and replayed[1] == steps[1]
+
+
+
+def test_a_cohort_whose_capture_fails_mid_way_continues_eagerly_exactly(monkeypatch, caplog):
+    """Every second capture fails after the stand-in ran the step on the canonical stacks (as a
+    CUDA capture invalidated late leaves its work undone, so the stacks must be restored): a cohort
+    that adopted the stacks and replayed steps meets a shape it cannot capture and continues
+    eagerly on those stacks, the next cohort of its kind replays again; equal to eager, said."""
+    captures, capture = [], graphs.RecordedGraph.capture
+
+    def every_second_fails(self, run):
+        captures.append(run)
+        if len(captures) % 2:
+            return capture(self, run)
+        run()
+        raise RuntimeError("capture invalidated")
+
+    monkeypatch.setattr(graphs.RecordedGraph, "capture", every_second_fails)
+    with caplog.at_level("INFO", logger="fedlt"):
+        check_graphs("fedavg", cohort=3, clients=6)
+    assert len(captures) > 2
+    assert "capture failed: RuntimeError: capture invalidated" in " ".join(r.getMessage() for r in caplog.records)
+
+
+class _DoubleHead(torch.nn.Module):
+    """A float32 body under a float64 head: the logits' dtype is not the first weights'."""
+
+    def __init__(self, in_chans: int = 1, num_classes: int = 10, image_size: int = 28) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(in_chans * image_size * image_size, 16)
+        self.head = torch.nn.Linear(16, num_classes).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x.flatten(1))).double())
+
+
+def test_a_cohort_whose_logits_are_not_in_its_weights_dtype_says_why_and_equals_eager(caplog):
+    """The canonical offsets are keyed by the weights' dtype; float64 logits from float32 weights
+    made each cohort an offsets table of its own, which the graph of the first cohort of a kind
+    read for every later one (fedlogit's round-2 train loss 2.47 off, relative): now refused, said."""
+    import fedlt.models
+
+    with fedlt.models.REGISTRY.temporary("double_head", _DoubleHead), caplog.at_level("INFO", logger="fedlt"):
+        check_graphs("fedlogit", cohort=3, clients=6, model="double_head")
+    assert "the model's logits are not in its weights' dtype" in " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_cuda_warm_up_that_raises_is_waited_for_before_the_state_is_restored(monkeypatch):
+    """The warm-up runs on a side stream; one that raises (out of memory) may leave kernels queued
+    there, so the current stream waits for it before the saved weights and momentum are copied back
+    (else a late warm-up kernel overwrites the restored state). Streams faked: no CUDA here."""
+    from contextlib import nullcontext
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append((self.name, other.name))
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    backend = graphs.CudaGraph.__new__(graphs.CudaGraph)
+    backend.device = torch.device("cuda")
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        backend.warm_up(out_of_memory, 3)
+    assert waits == [("side", "current"), ("current", "side")]

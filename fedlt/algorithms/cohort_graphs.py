@@ -155,6 +155,11 @@ class CohortGraphs:
         with checking:
             losses = c.plain_step(ks, index, x, y)
         why = checking.reason
+        if why is None and any(t is not self.canonical.offsets for t in c.offsets_on.values()):
+            # adopt keyed the canonical offsets by the weights' dtype; logits of another dtype made
+            # the cohort a table of its own, which a graph shared by its kind would read for every cohort
+            why = (f"the model's logits are not in its weights' dtype ({c.weights[0].dtype}): the cohort's logit "
+                   "offsets would be its own table, not the one every cohort of its kind shares")
         if why is None and sum(len(k.graphs) for k in self.module.cohorts.values()) >= MAX_GRAPHS:
             why = f"more than {MAX_GRAPHS} group sizes and batch shapes of cohorts on one work module"
         try:

@@ -193,7 +193,7 @@ class ClientUpdate:
     def step_graphs(self, task: ClientTask, model: nn.Module, params: list[nn.Parameter], step: Callable,
                     state: graphs.StepState, private: PrivateStep | None) -> graphs.ClientGraphs | None:
         """Under ``--graphs`` (a schedule with a backend) the replayer of this client's steps
-        after its first (fedlt.algorithms.graphs), or None: eager steps (the reason noted)."""
+        (fedlt.algorithms.graphs), or None: eager steps (the reason noted)."""
         backend = task.schedule.graphs
         if backend is None:
             return None

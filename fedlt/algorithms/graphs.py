@@ -144,10 +144,13 @@ class CudaGraph:
         autograd's streams — happens before capture, as the recipe asks)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(times):
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(times):
+                    run()
+        finally:  # a warm-up that raises (out of memory) may leave kernels queued there, which the
+            # restore of the saved state after it must not race
+            torch.cuda.current_stream(self.device).wait_stream(side)
 
     def capture(self, run: Callable[[], Any]) -> Any:
         before = torch.cuda.current_stream(self.device)
