@@ -24,7 +24,8 @@ Sections (each timed, each with its peak GPU memory; one that raises is recorded
    first round, which captures, apart), one client after another and in cohorts of 10, with
    fedlt's SGD defaults and with PFLlib's own (no momentum, no clip, drop_last); every registered
    algorithm one round with and without ``--graphs`` on the device (test-loss gap, the fallback
-   reason), one client at a time and in one cohort of 3; ``fedlogit`` and ``fedvls`` again with
+   reason), one client at a time and in one cohort of 3; with ``--compile`` too (inductor's kernels
+   inside the captured step; not in the dry run); ``fedlogit`` and ``fedvls`` again with
    ``fused="on"`` (per-client tables read by the Triton kernels inside the captured step).
    ``graphs_pfllib`` (``--only`` only): the task's rows alone, for a short lease;
 6. ``scala_s2``: SCALA at the README's default (AlexNet cut at s2, MNIST) on the device;
@@ -296,11 +297,14 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
     # the task with fedlt's SGD defaults (momentum 0.9, clip 10: the rows of every earlier lease), and
     # with PFLlib's own client (clientbase.py: SGD(lr) without momentum or clip, drop_last=True)
     pfllib_sgd = dict(optimiser={"lr": 0.005, "momentum": 0.0, "clip": None}, drop_last=True)
-    for label, on, cohort, own in (("device sequential", False, 1, {}), ("device sequential --graphs", True, 1, {}),
+    # and inductor's fused kernels inside the captured step (the first round compiles: ~20-60 s)
+    with_compile = [("device sequential --compile --graphs", True, 1, {"compile": True}),
+                ("device --cohort 10 --compile --graphs", True, 10, {"compile": True})] if sizes["compile"] else []
+    for label, on, cohort, own in [("device sequential", False, 1, {}), ("device sequential --graphs", True, 1, {}),
                                    ("device --cohort 10", False, 10, {}), ("device --cohort 10 --graphs", True, 10, {}),
                                    ("PFLlib's SGD: device sequential", False, 1, pfllib_sgd),
                                    ("PFLlib's SGD: device sequential --graphs", True, 1, pfllib_sgd),
-                                   ("PFLlib's SGD: device --cohort 10 --graphs", True, 10, pfllib_sgd)):
+                                   ("PFLlib's SGD: device --cohort 10 --graphs", True, 10, pfllib_sgd), *with_compile]:
         try:  # one run's failure is its row's
             before = step_graphs.totals()
             summary, rows = _run(tmp / f"graphs-pfllib-{on}-{cohort}-{bool(own)}", **(base | own), rounds=rounds,
@@ -312,6 +316,8 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
                           "first_round_s": rows[0]["train_s"], "round_s": [r["train_s"] for r in rows],
                           "accuracy": summary["final"]["accuracy"],
                           "loss": summary["final"]["loss"]}
+            if own.get("compile"):
+                out[label]["compile_fallback"] = summary["compile_fallback"]
             if on:
                 out[label] |= {"graphs_fallback": summary["graphs_fallback"],
                                "captured": after["captured"] - before["captured"],
