@@ -393,3 +393,25 @@ def test_a_cuda_warm_up_that_raises_is_waited_for_before_the_state_is_restored(m
     with pytest.raises(torch.cuda.OutOfMemoryError):
         backend.warm_up(out_of_memory, 3)
     assert waits == [("side", "current"), ("current", "side")]
+
+
+def test_a_refused_cohort_shape_is_not_checked_again_and_the_others_still_replay(monkeypatch):
+    """A shape whose checked step is refused stays eager for every cohort of its kind (stated
+    once), instead of a checked step — and its capture's warm-up — again in every cohort; the
+    shapes that were captured go on replaying."""
+    from fedlt.algorithms import cohort_graphs
+
+    checked, check = [], cohort_graphs.CohortGraphs._checked_step_then_capture
+
+    def refuse_single_clients(self, ks, group, key):
+        checked.append((id(self.canonical), key))
+        if len(ks) == 1:  # a lone client's shape: refused as a host synchronisation would be
+            self.canonical.refused[key] = "refused for the test"
+            return self.cohort.plain_step(ks, self.cohort._index(ks), torch.stack([x for _, x, _ in group]),
+                                          torch.stack([y for _, _, y in group]))
+        return check(self, ks, group, key)
+
+    monkeypatch.setattr(cohort_graphs.CohortGraphs, "_checked_step_then_capture", refuse_single_clients)
+    before = graphs.totals()["replays"]
+    check_graphs("fedavg", cohort=3, clients=6)
+    assert len(checked) == len(set(checked)) and graphs.totals()["replays"] > before

@@ -376,8 +376,9 @@ class Cohort:
 
     def _step(self, group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ks = [k for k, _, _ in group]
-        if self.graphs is not None and self.graphs.takes(ks):
-            self._record(group, self.graphs.step(ks, group))
+        replayed = self.graphs.step(ks, group) if self.graphs is not None else None
+        if replayed is not None:
+            self._record(group, replayed)
             return
         index = self._index(ks)
         leaves, running, fixed = self._leaves(index, len(ks) == len(self.clients))

@@ -16,13 +16,14 @@ Captured: :meth:`fedlt.algorithms.cohort.Cohort.plain_step` — a plain offset c
 step (no ``correct``, ``stepped``, ``ascent`` or ``step_input``), no BatchNorm statistics,
 float32. Anything else trains in the eager cohort, the reason stated once. The first step of a
 shape is a checked eager step (host synchronisations, random operators and host copies refused,
-as for one client's graphs). The momentum buffers start at zero, so a client's first step (torch
-makes the buffer d_p; μ·0 + d_p is d_p) is replayed like the others.
+as for one client's graphs); its refusal, or a failed capture, leaves that shape eager for every
+cohort of the kind (stated, not retried), while the other shapes replay. The momentum buffers
+start at zero, so a client's first step (torch makes the buffer d_p; μ·0 + d_p is d_p) is
+replayed like the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class Canonical:
     fixed: dict[str, torch.Tensor]
     offsets: torch.Tensor
     graphs: dict[tuple, Captured] = field(default_factory=dict)
+    refused: dict[tuple, str] = field(default_factory=dict)  # a shape's checked step or capture refused: eager, not retried
 
 
 def reason(cohort: Any) -> str | None:
@@ -96,19 +98,17 @@ class CohortGraphs:
         self.device = cohort.weights[0].device
         self.module = graphs._GRAPHS.setdefault(cohort.model, graphs.ModuleGraphs())
         self.canonical: Canonical | None = None
-        self.failed: str | None = None
 
-    def takes(self, ks: Sequence[int]) -> bool:
-        """Whether the group's step runs here (no fallback yet)."""
-        return self.failed is None
-
-    def step(self, ks: list[int], group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def step(self, ks: list[int], group: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The group's step: replayed, or a checked eager step (then captured) where its shape has
-        no graph yet. Returns the group's step losses."""
+        no graph yet. Returns the group's step losses; None where its shape was refused (then the
+        cohort's eager step runs it, on the canonical stacks)."""
         if self.canonical is None:
             self.adopt()
         x0, y0 = group[0][1], group[0][2]
         key = (len(ks), tuple(x0.shape), x0.dtype, tuple(y0.shape), y0.dtype)
+        if key in self.canonical.refused:
+            return None
         graph = self.canonical.graphs.get(key)
         if graph is None:
             return self._checked_step_then_capture(ks, group, key)
@@ -166,9 +166,9 @@ class CohortGraphs:
             if why is not None:
                 raise graphs.CaptureRefused(why)
             self._capture(ks, index, x, y, key)
-        except graphs.CaptureRefused as exc:
-            self.failed = str(exc)
-            graphs.left_eager(c.model, self.failed)
+        except graphs.CaptureRefused as exc:  # this shape eager for every cohort of the kind, the others replayed
+            self.canonical.refused[key] = str(exc)
+            graphs.left_eager(c.model, str(exc))
         return losses
 
     def _capture(self, ks: list[int], index: torch.Tensor, x: torch.Tensor, y: torch.Tensor, key: tuple) -> None:
