@@ -9,6 +9,7 @@ stated fallback (fedgrab); with cohorts (fedlt.algorithms.cohort_graphs) on feda
 two stated fallbacks; the whole family, one client at a time and in cohorts, is the ``slow``
 sweep (FEDLT_SLOW=1)."""
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -216,7 +217,7 @@ def test_a_failed_cuda_capture_leaves_the_current_stream_as_it_found_it(monkeypa
     current = ["the caller's stream"]
 
     class Graph:  # torch.cuda.graph: enters its capture stream; capture_end raises in __exit__
-        def __init__(self, cuda_graph):
+        def __init__(self, cuda_graph, pool=None):
             pass
 
         def __enter__(self):
@@ -415,3 +416,27 @@ def test_a_refused_cohort_shape_is_not_checked_again_and_the_others_still_replay
     before = graphs.totals()["replays"]
     check_graphs("fedavg", cohort=3, clients=6)
     assert len(checked) == len(set(checked)) and graphs.totals()["replays"] > before
+
+
+def test_every_cohort_graph_of_a_work_module_shares_one_cuda_memory_pool(monkeypatch):
+    """Up to MAX_GRAPHS cohort graphs, each with a group's activations: one pool for a work module's
+    cohort graphs (passed to torch.cuda.graph), not one each (CUDA's calls stubbed)."""
+    from fedlt.algorithms import cohort_graphs
+
+    handles, pools = [], []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: handles.append(object()) or handles[-1])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    module, other = graphs.ModuleGraphs(), graphs.ModuleGraphs()
+
+    def replayer(backend, of):
+        made = object.__new__(cohort_graphs.CohortGraphs)
+        made.backend, made.module, made.device = backend, of, torch.device("cuda")
+        return made
+
+    first, second, elsewhere = replayer("cuda", module), replayer("cuda", module), replayer("cuda", other)
+    assert first._pool() is second._pool() is handles[0] and elsewhere._pool() is handles[1]
+    assert replayer("recorded", module)._pool() is None
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: pools.append(pool) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    graphs.make_backend("cuda", torch.device("cuda"), first._pool()).capture(lambda: None)
+    assert pools == [handles[0]]

@@ -175,7 +175,7 @@ class CohortGraphs:
         """PyTorch's whole-network recipe on saved and restored stacks: warm-up steps, the capture."""
         c, canonical = self.cohort, self.canonical
         static = (index.clone(), x.clone(), y.clone())
-        backend = graphs.make_backend(self.backend, self.device)
+        backend = graphs.make_backend(self.backend, self.device, self._pool())
         run = lambda: c.plain_step(ks, *static)  # noqa: E731
         with torch.no_grad():
             saved = [(t, t.clone()) for t in [*canonical.weights, *canonical.momentum]]
@@ -193,6 +193,18 @@ class CohortGraphs:
         canonical.graphs[key] = Captured(backend, *static, losses)
         self.module.captured += 1
         graphs._TOTALS["captured"] += 1
+
+
+    def _pool(self) -> Any:
+        """One memory pool for every cohort graph of the work module (up to :data:`MAX_GRAPHS` of
+        them, each with a group's activations: a pool each would keep them all). Shared safely:
+        the graphs replay one at a time, each reads only tensors made outside the pool (its static
+        inputs, the canonical stacks), and its one output is cloned before another replays."""
+        if self.backend != "cuda":
+            return None
+        if self.module.cohort_pool is None:
+            self.module.cohort_pool = torch.cuda.graph_pool_handle()
+        return self.module.cohort_pool
 
 
 def _layout(t: torch.Tensor) -> tuple:

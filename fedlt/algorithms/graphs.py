@@ -136,8 +136,10 @@ class _Checking(TorchDispatchMode):
 class CudaGraph:
     """``torch.cuda.CUDAGraph`` with PyTorch's whole-network recipe."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.graph = device, torch.cuda.CUDAGraph()
+    def __init__(self, device: torch.device, pool: Any = None) -> None:
+        """``pool``: a memory pool shared with other graphs (``torch.cuda.graph_pool_handle()``), safe
+        where the graphs never replay at once and each one's output is read before another replays."""
+        self.device, self.graph, self.pool = device, torch.cuda.CUDAGraph(), pool
 
     def warm_up(self, run: Callable[[], Any], times: int) -> None:
         """``run`` ``times`` times on a side stream (lazy initialisation — cuBLAS's workspace,
@@ -155,7 +157,7 @@ class CudaGraph:
     def capture(self, run: Callable[[], Any]) -> Any:
         before = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, pool=self.pool):
                 return run()
         except BaseException:
             # torch.cuda.graph's exit calls capture_end before it leaves its stream context, so a
@@ -225,8 +227,8 @@ class RecordedGraph:
                         old.copy_(new[i])
 
 
-def make_backend(backend: str, device: torch.device) -> CudaGraph | RecordedGraph:
-    return CudaGraph(device) if backend == "cuda" else RecordedGraph(device)
+def make_backend(backend: str, device: torch.device, pool: Any = None) -> CudaGraph | RecordedGraph:
+    return CudaGraph(device, pool) if backend == "cuda" else RecordedGraph(device)
 
 
 def device_reason(backend: str, device: torch.device) -> str | None:
@@ -391,6 +393,7 @@ class ModuleGraphs:
     optimisers: dict[tuple, torch.optim.Optimizer] = field(default_factory=dict)
     groups: dict[tuple, Group] = field(default_factory=dict)
     cohorts: dict[tuple, Any] = field(default_factory=dict)  # a cohort's canonical stacks (fedlt.algorithms.cohort_graphs)
+    cohort_pool: Any = None  # the one CUDA memory pool of its cohorts' graphs (fedlt.algorithms.cohort_graphs)
     count: int = 0
     captured: int = 0
     replays: int = 0
