@@ -440,3 +440,13 @@ def test_every_cohort_graph_of_a_work_module_shares_one_cuda_memory_pool(monkeyp
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     graphs.make_backend("cuda", torch.device("cuda"), first._pool()).capture(lambda: None)
     assert pools == [handles[0]]
+
+
+def test_a_cohort_that_silently_skips_its_graphs_fails_the_contract(monkeypatch):
+    """In cohorts the contract asks for the cohort's own graphs: a cohort that trained without them
+    and said nothing fails [replayed], though its numbers equal eager's."""
+    from fedlt.algorithms import cohort_graphs
+
+    monkeypatch.setattr(cohort_graphs, "open", lambda cohort: None)
+    with pytest.raises(ContractError, match="without the cohort's graphs"):
+        check_graphs("fedavg", cohort=3)
