@@ -450,3 +450,18 @@ def test_a_cohort_that_silently_skips_its_graphs_fails_the_contract(monkeypatch)
     monkeypatch.setattr(cohort_graphs, "open", lambda cohort: None)
     with pytest.raises(ContractError, match=r"breaks \[replayed\].*no step was captured or replayed"):
         check_graphs("fedavg", cohort=3)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("scaffold", "fedlt: --graphs leaves the cohort's steps eager: ScaffoldUpdate overrides ClientUpdate.correct"),
+    ("fedavg", "fedlt: --graphs: the steps replayed by the 'recorded' stand-in on cpu")])
+def test_a_cohort_run_with_graphs_says_at_its_start_whether_its_steps_are_captured(name, said, tmp_path, caplog):
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    with caplog.at_level("WARNING", logger="fedlt"), graphs.default_backend("recorded"):
+        run(RunConfig(**dict(TINY, model="mlp", algorithm=name, rounds=1, clients=2, participation=1.0, cohort=2,
+                             graphs=True), out=tmp_path / "run"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedlt" and "--graphs" in r.getMessage()]
+    assert lines and lines[0].startswith(said), lines

@@ -45,6 +45,7 @@ from fedlt.algorithms.base import (backward_precision, build_objective, forward_
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, AroundUpdate, ClientUpdate, Federated, PhasedUpdate, _PLAIN,
                                             check_parts, client_norms, client_update, features_of, frozen,
                                             step_reason, trainable_names)
+from fedlt.algorithms.fedavg_family import graphs_notice as sequential_graphs_notice
 from fedlt.algorithms.protocol import (ClientFailure, ClientResult, ClientRunner, ClientTask, Sessions, client_rng,
                                        isolated, uploaded)
 from fedlt.datasets.source import to_device
@@ -766,9 +767,24 @@ def cohort_fallback(runner: Any, algorithm: Any, size: int, sample_level: bool =
     return runner.reason(algorithm, [])
 
 
+def graphs_notice(algorithm: Any, device: torch.device) -> str:
+    """The line a run with ``--graphs --cohort N`` starts with (the cohort runs): one client's
+    notice (fedlt.algorithms.fedavg_family.graphs_notice), or the reason every phase of the
+    algorithm's cohort steps stays eager whatever its objective (a hook of the variant's)."""
+    notice = sequential_graphs_notice(algorithm, device)
+    update = client_variant(algorithm)
+    if update is None:
+        return notice
+    loops = update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
+    reasons = [cohort_graphs.hook_reason(u) for u in loops]
+    if "leaves the local steps eager" in notice or not all(reasons):
+        return notice
+    return f"fedlt: --graphs leaves the cohort's steps eager: {reasons[0]}"
+
+
 def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:
     """``transport`` itself for ``size`` 1 (the default), else a :class:`CohortRunner` around it."""
     return transport if size <= 1 else CohortRunner(transport, size)
 
 
-__all__ = ["Cohort", "CohortRunner", "train_cohort", "cohort_fallback", "cohort_reason", "with_cohort"]
+__all__ = ["Cohort", "CohortRunner", "train_cohort", "cohort_fallback", "cohort_reason", "graphs_notice", "with_cohort"]

@@ -71,13 +71,22 @@ def reason(cohort: Any) -> str | None:
         return "--precision bf16: autocast's weight cache cannot be captured (PyTorch's CUDA graphs notes)"
     if cohort.running:
         return "the model's BatchNorm keeps per-client running statistics, which the cohort's captured step does not carry"
+    found = hook_reason(update)
+    if found is not None:
+        return found
+    if cohort._offsets(cohort.tasks[0].data.class_counts.numel()) is None:
+        return ("the cohort captures a plain offset cross-entropy only (ce, logit_adjust, a finite fedlc); this "
+                "objective's terms are computed client by client, eagerly")
+    return None
+
+
+def hook_reason(update: Any) -> str | None:
+    """Why ``update``'s cohort steps cannot be captured whatever its objective (None: they may be):
+    a hook that runs a client's own Python in or after its step."""
     for hook in HOOKS:
         if getattr(type(update), hook) is not getattr(ClientUpdate, hook):
             return (f"{type(update).__name__} overrides ClientUpdate.{hook} (a client's own Python in its step), "
                     "which one graph of the cohort's group cannot run")
-    if cohort._offsets(cohort.tasks[0].data.class_counts.numel()) is None:
-        return ("the cohort captures a plain offset cross-entropy only (ce, logit_adjust, a finite fedlc); this "
-                "objective's terms are computed client by client, eagerly")
     return None
 
 
@@ -216,4 +225,4 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             t.copy_(copy)
 
 
-__all__ = ["CohortGraphs", "MAX_GRAPHS", "open", "reason"]
+__all__ = ["CohortGraphs", "MAX_GRAPHS", "hook_reason", "open", "reason"]

@@ -41,6 +41,7 @@ import fedlt.partitioners
 from fedlt import io, rundir
 from fedlt.algorithms.base import NonFiniteLoss, from_spec
 from fedlt.algorithms.cohort import cohort_fallback
+from fedlt.algorithms.cohort import graphs_notice as cohort_graphs_notice
 from fedlt.algorithms.fedavg_family import compile_fallback, compile_notice, graphs_fallback, graphs_notice
 from fedlt.algorithms.protocol import ClientRunner, copy_tensors
 from fedlt.config import RunConfig, recorded as recorded_config
@@ -332,7 +333,8 @@ def run(config: RunConfig, *, runner: ClientRunner, resume: bool = False, on_rou
             if config.compile:  # what --compile does here, said once (docs/gpu.md#compiled-steps)
                 LOG.warning(compile_notice(prep.algorithm, torch.device(config.device)))
             if config.graphs:  # docs/gpu.md#whole-step-cuda-graphs
-                LOG.warning(graphs_notice(prep.algorithm, torch.device(config.device)))
+                notice = cohort_graphs_notice if config.cohort > 1 and fallback is None else graphs_notice
+                LOG.warning(notice(prep.algorithm, torch.device(config.device)))
             if on_start is not None:
                 on_start(state.round)
             RoundLoop(prep, state, runner, on_round, stop_requested).run()
