@@ -440,3 +440,32 @@ def test_every_cohort_graph_of_a_work_module_shares_one_cuda_memory_pool(monkeyp
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     graphs.make_backend("cuda", torch.device("cuda"), first._pool()).capture(lambda: None)
     assert pools == [handles[0]]
+
+
+def test_the_checked_step_and_the_stand_in_s_capture_run_the_compiled_forward():
+    """CUDA's capture runs the compiled kernels; dynamo skips compiled code under a dispatch mode
+    that does not ignore compile internals, so the checked step and the stand-in's capture ran the
+    eager forward and ``check_graphs(compile=True)`` never recorded a compiled one (review14)."""
+    from fedlt.algorithms import compiled
+
+    calls = []
+
+    def spy(gm, inputs):  # a dynamo backend that counts the compiled graph's runs
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+        return run
+
+    model = torch.nn.Linear(4, 3)
+    forward = compiled.forward(model, spy, cudagraphs=False)
+    x = torch.randn(5, 4)
+    forward(x)
+    before = len(calls)
+    with graphs._Checking(torch.device("cpu")):
+        forward(x)
+    recorded = graphs.RecordedGraph(torch.device("cpu"))
+    out = recorded.capture(lambda: forward(x))
+    assert len(calls) == before + 2 and recorded.ops
+    x.copy_(torch.randn(5, 4))
+    recorded.replay()  # the recorded compiled graph's operators, on the new input
+    torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)

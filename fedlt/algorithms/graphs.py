@@ -124,6 +124,13 @@ class _Checking(TorchDispatchMode):
         super().__init__()
         self.device, self.host_state, self.reason = device, host_state, None
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Lets a compiled forward (``--compile``) run its compiled code under the mode: dynamo
+        skips compiled code under any other dispatch mode, so the step watched (and the stand-in's
+        capture, :class:`_Recording`) would be the eager one, not the compiled one CUDA captures."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -177,6 +184,8 @@ class _Recording(TorchDispatchMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device, self.ops = device, []
+
+    ignore_compile_internals = _Checking.ignore_compile_internals  # records the compiled forward CUDA captures
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
