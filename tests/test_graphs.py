@@ -469,3 +469,32 @@ def test_the_checked_step_and_the_stand_in_s_capture_run_the_compiled_forward():
     x.copy_(torch.randn(5, 4))
     recorded.replay()  # the recorded compiled graph's operators, on the new input
     torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_a_step_our_graphs_never_capture_keeps_inductor_s_own_cuda_graphs(monkeypatch, tmp_path, cohort):
+    """``--compile --graphs`` where the steps stay eager (here: no CUDA device) compiles as
+    ``--compile`` alone, inductor's CUDA graphs on (on CUDA), not the plain mode that only a step
+    captured by ours needs; captured by the stand-in, the plain mode (review14)."""
+    from fedlt.algorithms import compiled
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    asked = []
+
+    def spy(original):
+        def make(model, backend=compiled.BACKEND, cudagraphs=True):
+            asked.append(cudagraphs)
+            return original(model, "eager", cudagraphs)  # dynamo's eager backend: nothing generated
+        return make
+
+    monkeypatch.setattr(compiled, "forward", spy(compiled.forward))
+    monkeypatch.setattr(compiled, "vmapped", spy(compiled.vmapped))
+    config = dict(TINY, model="mlp", algorithm="fedavg", rounds=1, clients=2, graphs=True, compile=True, cohort=cohort)
+    run(RunConfig(**config, out=tmp_path / "eager"))
+    assert asked and all(asked)
+    asked.clear()
+    with graphs.default_backend("recorded"), compiled.default_backend("aot_eager"):  # the stand-in's pair
+        run(RunConfig(**config, out=tmp_path / "captured"))
+    assert asked and not any(asked)
