@@ -499,3 +499,21 @@ def test_a_step_our_graphs_never_capture_keeps_inductor_s_own_cuda_graphs(monkey
     with graphs.default_backend("recorded"), compiled.default_backend("aot_eager"):  # the stand-in's pair
         run(RunConfig(**config, out=tmp_path / "captured"))
     assert asked and not any(asked)
+
+
+def test_a_compile_failing_inside_a_cuda_capture_fails_the_capture_not_the_compile(monkeypatch):
+    """A compilation error raised while a CUDA stream captures is the capture's failure (the shape
+    then stays eager, said by the graphs), not a reason to run every later step eagerly (review14)."""
+    from fedlt.algorithms import compiled
+
+    def broken(gm, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    step = compiled.Compiled(lambda x: x * 2, lambda args: [(args[0], 0)], torch.device("cuda"), broken,
+                             cudagraphs=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        step(torch.ones(3))
+    assert step.failed is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0)) and "not permitted" in step.failed
