@@ -517,3 +517,13 @@ def test_a_compile_failing_inside_a_cuda_capture_fails_the_capture_not_the_compi
     assert step.failed is None
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0)) and "not permitted" in step.failed
+
+
+def test_a_cohort_that_silently_skips_its_graphs_fails_the_contract(monkeypatch):
+    """A cohort that trained without its graphs and said nothing fails [replayed], though its
+    numbers equal eager's (a cohort the runner refuses states why: tests/test_cohort.py)."""
+    from fedlt.algorithms import cohort_graphs
+
+    monkeypatch.setattr(cohort_graphs, "open", lambda cohort: None)
+    with pytest.raises(ContractError, match=r"breaks \[replayed\].*no step was captured or replayed"):
+        check_graphs("fedavg", cohort=3)

@@ -194,7 +194,6 @@ class CohortGraphs:
         self.module.captured += 1
         graphs._TOTALS["captured"] += 1
 
-
     def _pool(self) -> Any:
         """One memory pool for every cohort graph of the work module (up to :data:`MAX_GRAPHS` of
         them, each with a group's activations: a pool each would keep them all). Shared safely:
