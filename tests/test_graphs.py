@@ -442,6 +442,83 @@ def test_every_cohort_graph_of_a_work_module_shares_one_cuda_memory_pool(monkeyp
     assert pools == [handles[0]]
 
 
+def test_the_stand_in_s_capture_records_the_compiled_forward():
+    """CUDA's capture runs the compiled kernels; dynamo skips compiled code under a dispatch mode
+    that does not ignore compile internals, so the stand-in's capture recorded the eager forward
+    and ``check_graphs(compile=True)`` never replayed a compiled one (review14). The checked step
+    runs the eager forward (a new shape compiles in the warm-up after it, not under the checking)."""
+    from fedlt.algorithms import compiled
+
+    calls = []
+
+    def spy(gm, inputs):  # a dynamo backend that counts the compiled graph's runs
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+        return run
+
+    model = torch.nn.Linear(4, 3)
+    forward = compiled.forward(model, spy, cudagraphs=False)
+    x = torch.randn(5, 4)
+    forward(x)
+    before = len(calls)
+    with graphs._Checking(torch.device("cpu")):
+        forward(x)
+    recorded = graphs.RecordedGraph(torch.device("cpu"))
+    out = recorded.capture(lambda: forward(x))
+    assert len(calls) == before + 1 and recorded.ops
+    x.copy_(torch.randn(5, 4))
+    recorded.replay()  # the recorded compiled graph's operators, on the new input
+    torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cohort", [1, 2])
+def test_a_step_our_graphs_never_capture_keeps_inductor_s_own_cuda_graphs(monkeypatch, tmp_path, cohort):
+    """``--compile --graphs`` where the steps stay eager (here: no CUDA device) compiles as
+    ``--compile`` alone, inductor's CUDA graphs on (on CUDA), not the plain mode that only a step
+    captured by ours needs; captured by the stand-in, the plain mode (review14)."""
+    from fedlt.algorithms import compiled
+    from fedlt.config import RunConfig
+    from fedlt.engine import run
+    from fedlt.testing.algorithms import TINY
+
+    asked = []
+
+    def spy(original):
+        def make(model, backend=compiled.BACKEND, cudagraphs=True):
+            asked.append(cudagraphs)
+            return original(model, "eager", cudagraphs)  # dynamo's eager backend: nothing generated
+        return make
+
+    monkeypatch.setattr(compiled, "forward", spy(compiled.forward))
+    monkeypatch.setattr(compiled, "vmapped", spy(compiled.vmapped))
+    config = dict(TINY, model="mlp", algorithm="fedavg", rounds=1, clients=2, graphs=True, compile=True, cohort=cohort)
+    run(RunConfig(**config, out=tmp_path / "eager"))
+    assert asked and all(asked)
+    asked.clear()
+    with graphs.default_backend("recorded"), compiled.default_backend("aot_eager"):  # the stand-in's pair
+        run(RunConfig(**config, out=tmp_path / "captured"))
+    assert asked and not any(asked)
+
+
+def test_a_compile_failing_inside_a_cuda_capture_fails_the_capture_not_the_compile(monkeypatch):
+    """A compilation error raised while a CUDA stream captures is the capture's failure (the shape
+    then stays eager, said by the graphs), not a reason to run every later step eagerly (review14)."""
+    from fedlt.algorithms import compiled
+
+    def broken(gm, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    step = compiled.Compiled(lambda x: x * 2, lambda args: [(args[0], 0)], torch.device("cuda"), broken,
+                             cudagraphs=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        step(torch.ones(3))
+    assert step.failed is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0)) and "not permitted" in step.failed
+
+
 def test_a_cohort_that_silently_skips_its_graphs_fails_the_contract(monkeypatch):
     """A cohort that trained without its graphs and said nothing fails [replayed], though its
     numbers equal eager's (a cohort the runner refuses states why: tests/test_cohort.py)."""

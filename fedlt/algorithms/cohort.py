@@ -323,14 +323,15 @@ class Cohort:
         # per parameter, the clients whose momentum buffer has started (torch starts it at the first
         # d_p): known from the loop itself, so kept on the host
         self.started: list[set[int]] = [set() for _ in self.weights]
-        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
-        # for the variants whose sequential step compiles too (step_reason)
-        backend = self.schedule.compile if step_reason(type(self.update)) is None else None
-        self.vmapped = vmap(self._forward) if backend is None else \
-            compiled.vmapped(model, backend, cudagraphs=self.schedule.graphs is None)
         self.indices: dict[tuple[int, ...], torch.Tensor] = {}
         # --graphs: the plain step captured per (group size, batch shape) and replayed (None: eager, said)
         self.graphs = cohort_graphs.open(self) if self.schedule.graphs is not None else None
+        # --compile: the vmapped forward (and its backward) through torch.compile (fedlt.algorithms.compiled),
+        # for the variants whose sequential step compiles too (step_reason); inductor's own CUDA
+        # graphs where ours never capture the step (they cannot nest in ours)
+        backend = self.schedule.compile if step_reason(type(self.update)) is None else None
+        self.vmapped = vmap(self._forward) if backend is None else \
+            compiled.vmapped(model, backend, cudagraphs=self.graphs is None)
 
     def _draw(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """The next minibatch (augmented) of every client that has one; the others are masked."""

@@ -154,6 +154,11 @@ class Compiled:
         try:
             return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as exc:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a compilation inside a --graphs capture (a guard that failed only there) is the
+                # capture's failure, stated by it: that shape stays eager, the compile stays on — an
+                # eager rerun in an invalidated capture would fail it anyway, and turn the compile off
+                raise
             out = self.eager(*args)  # the model's own error, if it is one, is raised here as without --compile
             self.failed = reason_of(exc)
             LOG.warning(f"fedlt: --compile: the step's forward runs eagerly from here: {self.failed}")

@@ -197,11 +197,7 @@ class ClientUpdate:
         backend = task.schedule.graphs
         if backend is None:
             return None
-        reason = (graph_reason(type(self)) or graphs.device_reason(backend, task.data.x.device)
-                  or graphs.compiled_reason(backend, task.schedule.compile)
-                  or ("DP-SGD's per-sample step (--privacy sample_level) runs eagerly" if private is not None else None)
-                  or ("--precision bf16: autocast's weight cache cannot be captured (PyTorch's CUDA graphs notes)"
-                      if task.schedule.precision != "fp32" else None))
+        reason = self.uncaptured_reason(task, private)
         if reason is None:
             s = task.schedule
             settings = (type(self).__qualname__, tuple(trainable_names(model)), s.lr, s.momentum, s.weight_decay,
@@ -212,6 +208,15 @@ class ClientUpdate:
             graphs.left_eager(model, reason)
             return None
         return replay
+
+    def uncaptured_reason(self, task: ClientTask, private: PrivateStep | None) -> str | None:
+        """Why this client's steps under ``--graphs`` are never captured (None: they are, shape by shape)."""
+        backend = task.schedule.graphs
+        return (graph_reason(type(self)) or graphs.device_reason(backend, task.data.x.device)
+                or graphs.compiled_reason(backend, task.schedule.compile)
+                or ("DP-SGD's per-sample step (--privacy sample_level) runs eagerly" if private is not None else None)
+                or ("--precision bf16: autocast's weight cache cannot be captured (PyTorch's CUDA graphs notes)"
+                    if task.schedule.precision != "fp32" else None))
 
     def step_forward(self, task: ClientTask, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
         """The module the step's ``parts`` calls: ``model`` itself, or under ``--compile`` (a
@@ -224,7 +229,9 @@ class ClientUpdate:
         if reason is not None:
             compiled.left_eager(model, reason)
             return model
-        return compiled.forward(model, backend, cudagraphs=task.schedule.graphs is None)  # ours capture it whole
+        # inductor's own CUDA graphs where ours never capture the step (they cannot nest in ours)
+        captured = task.schedule.graphs is not None and self.uncaptured_reason(task, None) is None
+        return compiled.forward(model, backend, cudagraphs=not captured)
 
     def generator(self, task: ClientTask) -> torch.Generator:
         """The minibatch-order stream: the client's round stream; a fine-tune draws from its own."""

@@ -178,6 +178,15 @@ class _Recording(TorchDispatchMode):
         super().__init__()
         self.device, self.ops = device, []
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Lets a compiled forward (``--compile``) run its compiled code while recording: dynamo
+        skips compiled code under any other dispatch mode, so the stand-in recorded the eager
+        forward, not the compiled one CUDA captures. (:class:`_Checking` keeps the skip: its step
+        may be a new shape's first, whose compilation and autotuning run benchmark copies and
+        synchronisations it would refuse; the warm-up after it compiles, before the capture.)"""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
