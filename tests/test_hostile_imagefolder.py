@@ -314,12 +314,21 @@ def test_a_refused_run_leaves_no_cache_behind(root, tmp_path, capsys, case):
 
 
 # -- a dead loader process -------------------------------------------------------------------------
+def _is_loader(obj: object) -> bool:
+    """Whether ``obj`` is a DataLoader; a weak proxy whose referent died (an earlier test's, in this
+    worker process: dynamo's, after a compiled step) raises ReferenceError on isinstance."""
+    try:
+        return isinstance(obj, torch.utils.data.DataLoader)
+    except ReferenceError:
+        return False
+
+
 def kill_a_loader_worker(root: Path) -> int:
     """SIGKILL one worker process of a live fedlt DataLoader over ``root``'s images (found among
     the live objects: an earlier test's loaders may still be alive)."""
     with warnings.catch_warnings():  # isinstance on some live objects warns of torch deprecations
         warnings.simplefilter("ignore")
-        loaders = [obj for obj in gc.get_objects() if isinstance(obj, torch.utils.data.DataLoader)]
+        loaders = [obj for obj in gc.get_objects() if _is_loader(obj)]
     for obj in loaders:
         decoder = obj.dataset
         if isinstance(decoder, imagefolder_module._Decoder) and os.fsdecode(decoder.files.listing.paths[0]).startswith(
