@@ -298,13 +298,14 @@ def _graphs_pfllib(device, sizes, tmp: Path) -> dict:
     # with PFLlib's own client (clientbase.py: SGD(lr) without momentum or clip, drop_last=True)
     pfllib_sgd = dict(optimiser={"lr": 0.005, "momentum": 0.0, "clip": None}, drop_last=True)
     # and inductor's fused kernels inside the captured step (the first round compiles: ~20-60 s)
+    pfllib_own = [("PFLlib's SGD: device sequential", False, 1, pfllib_sgd),  # not in the dry run: the suite's time
+                  ("PFLlib's SGD: device sequential --graphs", True, 1, pfllib_sgd),
+                  ("PFLlib's SGD: device --cohort 10 --graphs", True, 10, pfllib_sgd)]
     with_compile = [("device sequential --compile --graphs", True, 1, {"compile": True}),
                 ("device --cohort 10 --compile --graphs", True, 10, {"compile": True})] if sizes["compile"] else []
     for label, on, cohort, own in [("device sequential", False, 1, {}), ("device sequential --graphs", True, 1, {}),
                                    ("device --cohort 10", False, 10, {}), ("device --cohort 10 --graphs", True, 10, {}),
-                                   ("PFLlib's SGD: device sequential", False, 1, pfllib_sgd),
-                                   ("PFLlib's SGD: device sequential --graphs", True, 1, pfllib_sgd),
-                                   ("PFLlib's SGD: device --cohort 10 --graphs", True, 10, pfllib_sgd), *with_compile]:
+                                   *(pfllib_own if sizes["compile"] else []), *with_compile]:
         try:  # one run's failure is its row's
             before = step_graphs.totals()
             summary, rows = _run(tmp / f"graphs-pfllib-{on}-{cohort}-{bool(own)}", **(base | own), rounds=rounds,
