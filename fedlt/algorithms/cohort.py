@@ -772,15 +772,10 @@ def graphs_notice(algorithm: Any, device: torch.device) -> str:
     """The line a run with ``--graphs --cohort N`` starts with (the cohort runs): one client's
     notice (fedlt.algorithms.fedavg_family.graphs_notice), or the reason every phase of the
     algorithm's cohort steps stays eager whatever its objective (a hook of the variant's)."""
-    notice = sequential_graphs_notice(algorithm, device)
     update = client_variant(algorithm)
-    if update is None:
-        return notice
-    loops = update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
+    loops = [] if update is None else update.loops() if type(update).__call__ is PhasedUpdate.__call__ else [update]
     reasons = [cohort_graphs.hook_reason(u) for u in loops]
-    if "leaves the local steps eager" in notice or not all(reasons):
-        return notice
-    return f"fedlt: --graphs leaves the cohort's steps eager: {reasons[0]}"
+    return sequential_graphs_notice(algorithm, device, reasons[0] if reasons and all(reasons) else None)
 
 
 def with_cohort(transport: ClientRunner, size: int) -> ClientRunner:

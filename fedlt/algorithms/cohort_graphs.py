@@ -185,20 +185,8 @@ class CohortGraphs:
         c, canonical = self.cohort, self.canonical
         static = (index.clone(), x.clone(), y.clone())
         backend = graphs.make_backend(self.backend, self.device, self._pool())
-        run = lambda: c.plain_step(ks, *static)  # noqa: E731
-        with torch.no_grad():
-            saved = [(t, t.clone()) for t in [*canonical.weights, *canonical.momentum]]
-        try:
-            backend.warm_up(run, graphs.WARMUP)
-            _restore(saved)
-            losses = backend.capture(run)
-        except Exception as exc:  # a failed capture leaves the steps eager, said
-            _restore(saved)
-            if isinstance(exc, graphs.CaptureRefused):
-                raise
-            first = (str(exc).splitlines() or [""])[0][:200]
-            raise graphs.CaptureRefused(f"capture failed: {type(exc).__name__}: {first}") from exc
-        _restore(saved)  # the stand-in ran the step while recording; CUDA's capture ran nothing
+        losses = graphs.capture_on_saved(backend, lambda: c.plain_step(ks, *static),
+                                         graphs.saved([*canonical.weights, *canonical.momentum]))
         canonical.graphs[key] = Captured(backend, *static, losses)
         self.module.captured += 1
         graphs._TOTALS["captured"] += 1
@@ -217,12 +205,6 @@ class CohortGraphs:
 
 def _layout(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for t, copy in saved:
-            t.copy_(copy)
 
 
 __all__ = ["CohortGraphs", "MAX_GRAPHS", "hook_reason", "open", "reason"]

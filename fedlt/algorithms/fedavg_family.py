@@ -394,11 +394,14 @@ def graphs_reason(algorithm: Any) -> str | None:
     return _update_reason(fn, type(algorithm).__name__, graph_reason)
 
 
-def graphs_notice(algorithm: Any, device: torch.device) -> str:
-    """The line a run with ``--graphs`` starts with: why its steps stay eager, or what it captures."""
+def graphs_notice(algorithm: Any, device: torch.device, cohort_reason: str | None = None) -> str:
+    """The line a run with ``--graphs`` starts with: why its steps stay eager, or what it captures
+    (``cohort_reason``: why a cohort's steps stay eager although one client's would not)."""
     reason = graphs_reason(algorithm) or graphs.device_reason(graphs.BACKEND, device)
     if reason is not None:
         return f"fedlt: --graphs leaves the local steps eager: {reason}"
+    if cohort_reason is not None:
+        return f"fedlt: --graphs leaves the cohort's steps eager: {cohort_reason}"
     if graphs.BACKEND != "cuda":
         return (f"fedlt: --graphs: the steps replayed by the {graphs.BACKEND!r} stand-in on {device} "
                 "(for tests: no faster)")

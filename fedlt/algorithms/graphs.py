@@ -587,20 +587,11 @@ class ClientGraphs:
         static_x, static_y = x.clone(), y.clone()
         backend = make_backend(self.backend, self.device)
         run = lambda: group.step(group.state, self.optimiser, static_x, static_y)  # noqa: E731
-        saved = self._save()
-        try:
-            backend.warm_up(run, WARMUP)
-            self._restore(saved)
+        def before_capture() -> None:
             _refuse_kept(self.model, self.params)  # the warm-up's nodes were made on its side stream
             self.optimiser.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
-            parts = backend.capture(run)
-        except Exception as exc:  # a failed capture leaves the steps eager, said
-            self._restore(saved)
-            if isinstance(exc, CaptureRefused):
-                raise
-            first = (str(exc).splitlines() or [""])[0][:200]
-            raise CaptureRefused(f"capture failed: {type(exc).__name__}: {first}") from exc
-        self._restore(saved)  # the stand-in ran the step while recording; CUDA's capture ran nothing
+
+        parts = capture_on_saved(backend, run, self._save(), before_capture)
         graph = Captured(backend, static_x, static_y, {k: v.detach() for k, v in parts.items()},
                          [p.grad for p in self.params])
         group.graphs[_shape(x, y)] = graph
@@ -612,16 +603,8 @@ class ClientGraphs:
         return {id(t): n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
 
     def _save(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        tensors = [*self.model.state_dict(keep_vars=True).values(), *self.group.leaves,
-                   *(b for b in _momentum(self.optimiser, self.params) if b is not None)]
-        with torch.no_grad():
-            return [(t, t.detach().clone()) for t in tensors]
-
-    @staticmethod
-    def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for t, copy in saved:
-                t.copy_(copy)
+        return saved([*self.model.state_dict(keep_vars=True).values(), *self.group.leaves,
+                      *(b for b in _momentum(self.optimiser, self.params) if b is not None)])
 
     def _give_up(self, reason: str, optimiser: torch.optim.Optimizer) -> None:
         """Eager from here: the client's state and momentum handed back first."""
@@ -659,6 +642,39 @@ class ClientGraphs:
         if self.last is not None:
             for p, g in zip(self.params, self.last.grads):
                 p.grad = g
+
+
+def saved(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor with a copy of its values, for :func:`restore`."""
+    with torch.no_grad():
+        return [(t, t.detach().clone()) for t in tensors]
+
+
+def restore(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for t, copy in state:
+            t.copy_(copy)
+
+
+def capture_on_saved(backend: CudaGraph | RecordedGraph, run: Callable[[], Any],
+                     state: list[tuple[torch.Tensor, torch.Tensor]], before_capture: Callable[[], None] = lambda: None) -> Any:
+    """PyTorch's whole-network recipe on saved and restored ``state`` (one client's graphs and a
+    cohort's alike): warm-up steps, the state restored, ``before_capture``, the capture of ``run``
+    (its output returned), the state restored again — the stand-in ran the step while recording,
+    CUDA's capture ran nothing. A failure leaves the state restored and raises CaptureRefused."""
+    try:
+        backend.warm_up(run, WARMUP)
+        restore(state)
+        before_capture()
+        out = backend.capture(run)
+    except Exception as exc:  # a failed capture leaves the steps eager, said
+        restore(state)
+        if isinstance(exc, CaptureRefused):
+            raise
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise CaptureRefused(f"capture failed: {type(exc).__name__}: {first}") from exc
+    restore(state)
+    return out
 
 
 def kept_graph(model: nn.Module, params: Sequence[nn.Parameter]) -> str | None:
@@ -707,5 +723,5 @@ def _python_change(before: Structure, after: Structure) -> str | None:
 
 
 __all__ = ["BACKEND", "BACKENDS", "CaptureRefused", "ClientGraphs", "CudaGraph", "MAX_GRAPHS", "RecordedGraph",
-           "StepState", "Structure", "captured", "compiled_reason", "default_backend", "device_reason", "failure", "left_eager",
+           "StepState", "Structure", "capture_on_saved", "captured", "compiled_reason", "default_backend", "device_reason", "failure", "left_eager",
            "replays", "structure", "totals", "transfer"]
