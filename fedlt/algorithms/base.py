@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -289,6 +290,61 @@ class Algorithm(Protocol):
 
 class NonFiniteLoss(FedltError):
     """A NaN or inf loss: the run stops and names where it happened."""
+
+
+class PendingLoss:
+    """A client's round loss not yet read back from the device: ``values`` (0-d tensors, e.g. the
+    all-finite flag and the mean of its table of per-step losses) and ``read``, which turns their
+    numbers into the loss, raising NonFiniteLoss for a non-finite one. Inside
+    :func:`deferred_losses` a client's loop hands this on instead of reading the numbers itself, so
+    the runner reads every client's in one host synchronisation after the round's last client:
+    one client at a time on a GPU, the host sets the next client up while the device still trains
+    the one before, instead of waiting for it at each client's end (the H200's profile, docs/gpu.md)."""
+
+    def __init__(self, values: Sequence[torch.Tensor], read: Callable[[list[float]], float]) -> None:
+        self.values, self.read = list(values), read
+
+    def joined(self, other: PendingLoss | float, combine: Callable[[float, float], float]) -> PendingLoss:
+        """``combine(self's loss, other's)``, still pending; ``self``'s error is raised first."""
+        if not isinstance(other, PendingLoss):
+            return PendingLoss(self.values, lambda v: combine(self.read(v), other))
+        n = len(self.values)
+        return PendingLoss(self.values + other.values, lambda v: combine(self.read(v[:n]), other.read(v[n:])))
+
+
+_DEFERRED: ContextVar[list[PendingLoss] | None] = ContextVar("fedlt_deferred_losses", default=None)
+
+
+@contextmanager
+def deferred_losses() -> Iterator[list[PendingLoss]]:
+    """A block in which :func:`loss_of` defers: the list of every PendingLoss it made (a runner
+    clears it per client, to read one client's checks should its work raise)."""
+    made: list[PendingLoss] = []
+    token = _DEFERRED.set(made)
+    try:
+        yield made
+    finally:
+        _DEFERRED.reset(token)
+
+
+def loss_of(values: Sequence[torch.Tensor], read: Callable[[list[float]], float]) -> PendingLoss | float:
+    """``read`` of ``values``' numbers: at once (one host synchronisation), or, inside
+    :func:`deferred_losses`, a PendingLoss its runner reads with every other client's."""
+    made = _DEFERRED.get()
+    if made is None:
+        return read(read_back(values))
+    made.append(pending := PendingLoss(values, read))
+    return pending
+
+
+def read_back(values: Sequence[torch.Tensor]) -> list[float]:
+    """0-d tensors' numbers as float64, in one synchronisation per device they are on."""
+    out: list[float | None] = [None] * len(values)
+    for device in {v.device for v in values}:
+        at = [i for i, v in enumerate(values) if v.device == device]
+        for i, number in zip(at, torch.stack([values[i].double() for i in at]).cpu().tolist()):
+            out[i] = number
+    return out  # type: ignore[return-value]
 
 
 def raise_first_non_finite(per_step: torch.Tensor, where: str, step_name: str = "local step") -> None:

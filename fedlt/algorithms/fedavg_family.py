@@ -22,9 +22,10 @@ from torch.func import functional_call
 
 import fedlt.augment
 from fedlt.algorithms import compiled, graphs, preset
-from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, NonFiniteLoss, RunContext,
-                                   backward_precision, build_aggregator, build_objective, channels_last, client_generator,
-                                   forward_precision, place_model, proportional_batches, upcast)
+from fedlt.algorithms.base import (AggregatorSpec, ClientData, LocalSchedule, LossExpression, NonFiniteLoss, PendingLoss,
+                                   RunContext, backward_precision, build_aggregator, build_objective, channels_last,
+                                   client_generator, forward_precision, loss_of, place_model, proportional_batches,
+                                   upcast)
 from fedlt.algorithms.protocol import ClientResult, ClientRunner, ClientStates, ClientTask, State
 from fedlt.context import RoundContext
 from fedlt.models import classifier, eval_mode
@@ -451,21 +452,26 @@ def client_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(rows, 1), dim=1)
 
 
-def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float:
+def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTask) -> float | PendingLoss:
     """The round's mean loss (the parts summed per step), after one finiteness check of every
-    part at every step (one host synchronisation); a non-finite one is named: the objective by
+    part at every step (one host synchronisation, or none here inside ``deferred_losses``: its
+    runner reads it with the round's other clients'); a non-finite one is named: the objective by
     its expression, a variant's term by its own name."""
     if not steps or not parts:  # no step, or DP-SGD's Poisson batches all empty
         return 0.0
     names = list(parts)
     table = torch.stack([torch.stack(parts[n]) for n in names])  # parts × steps
-    finite = torch.isfinite(table)
-    if not bool(finite.all()):
-        part, step = (int(i) for i in (~finite).nonzero()[0])
-        what = f"loss {task.objective!r}" if names[part] == OBJECTIVE else names[part]
-        raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
-                            f"client {task.cid}, {what}")
-    return float(table.double().sum(0).mean())
+
+    def read(numbers: list[float]) -> float:
+        all_finite, mean = numbers
+        if not all_finite:
+            part, step = (int(i) for i in (~torch.isfinite(table)).nonzero()[0])
+            what = f"loss {task.objective!r}" if names[part] == OBJECTIVE else names[part]
+            raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
+                                f"client {task.cid}, {what}")
+        return mean
+
+    return loss_of([torch.isfinite(table).all(), table.double().sum(0).mean()], read)
 
 
 class AroundUpdate:

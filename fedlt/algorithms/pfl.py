@@ -37,7 +37,7 @@ from pydantic import Field, PrivateAttr
 from torch import nn
 
 from fedlt.algorithms import register
-from fedlt.algorithms.base import LossExpression, RunContext, build_aggregator, place_model, upcast
+from fedlt.algorithms.base import LossExpression, PendingLoss, RunContext, build_aggregator, place_model, upcast
 from fedlt.algorithms.fedavg_family import (OBJECTIVE, ClientUpdate, FedAvgFamily, PhasedUpdate, StepForward, Strategy,
                                             frozen)
 from fedlt.algorithms.personal import EvalTask, FinetuneUpdate, finetune, stream_seed
@@ -130,7 +130,14 @@ def _joined(first: ClientResult, second: ClientResult) -> ClientResult:
     """Two phases of one round as one result: the second's weights and state, both phases' steps
     and their step-weighted mean loss."""
     steps = first.steps + second.steps
-    loss = (first.train_loss * first.steps + second.train_loss * second.steps) / steps if steps else 0.0
+    combine = lambda a, b: (a * first.steps + b * second.steps) / steps if steps else 0.0  # noqa: E731
+    a, b = first.train_loss, second.train_loss
+    if isinstance(a, PendingLoss):  # read with the round's other clients' (fedlt.algorithms.base.deferred_losses)
+        loss = a.joined(b, combine)
+    elif isinstance(b, PendingLoss):
+        loss = b.joined(a, lambda mine, theirs: combine(theirs, mine))
+    else:
+        loss = combine(a, b)
     return dataclasses.replace(second, steps=steps, train_loss=loss)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ import torch
 
 from fedlt import wire
 from fedlt.errors import first_line
-from fedlt.algorithms.base import ClientData, LocalSchedule
+from fedlt.algorithms.base import ClientData, LocalSchedule, NonFiniteLoss, PendingLoss, deferred_losses, read_back
 from fedlt.algorithms.client_states import ClientStates  # noqa: F401  (re-exported: algorithms import it from here)
 from fedlt.context import ModelSpec, RoundContext
 from fedlt.privacy.upload import UploadPlan, client_upload
@@ -423,11 +423,61 @@ class LocalRunner(Runner):
     ClientFailure (its first error line) instead of stopping the run."""
 
     def each(self, job: str, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:
-        work = CLIENT_CALLS[job]
-        return [self.guarded(t.cid, lambda t=t: work(algorithm, isolated(t))) for t in tasks]
+        """Every task's work, one after another; the loss checks of ``work`` read back together at
+        the end (``deferred_losses``: one host synchronisation a round, not one a client), each as
+        it would have been read in its client's work: a non-finite loss is that client's failure,
+        or (not tolerated) the round's error before any later client's. Another job's work (a
+        fine-tuned evaluation) reads its loops' losses itself."""
+        work, out, checks = CLIENT_CALLS[job], [], []
+        with deferred_losses() if job == "work" else nullcontext([]) as made:
+            for t in tasks:
+                made.clear()
+                try:
+                    out.append(self.guarded(t.cid, lambda t=t: _checked_first(made, lambda: work(algorithm, isolated(t)))))
+                except Exception:  # not tolerated: an earlier client's non-finite loss is the round's error
+                    read_losses(out, checks, self.tolerate)
+                    raise
+                checks.append(list(made))
+        return read_losses(out, checks, self.tolerate)
 
     def exchange(self, algorithm: Any, tasks: Sequence[ClientTask]) -> Sessions:
         return LocalSessions(algorithm, tasks, self.tolerate)
+
+
+def _checked_first(made: list[PendingLoss], work: Callable[[], Any]) -> Any:
+    """``work()``; should it raise, a non-finite loss among the checks it made (``made``) is raised
+    in its place: read at once, it would have stopped the client before what raised."""
+    try:
+        return work()
+    except Exception:
+        for pending in made:
+            pending.read(read_back(pending.values))
+        raise
+
+
+def read_losses(results: list[Any], checks: list[list[PendingLoss]], tolerate: bool) -> list[Any]:
+    """``results`` with their clients' loss checks (``checks[k]``: every PendingLoss client k's
+    work made, its result's among them or joined from them) read in one host synchronisation: a
+    client with a non-finite loss becomes a ClientFailure when failures are tolerated, else its
+    NonFiniteLoss is raised (the first such client's); the others' ``train_loss`` become floats."""
+    values = [v for made in checks for pending in made for v in pending.values]
+    if not values:
+        return results
+    number = dict(zip(map(id, values), read_back(values)))
+    out = []
+    for result, made in zip(results, checks):
+        try:
+            for pending in made:
+                pending.read([number[id(v)] for v in pending.values])
+            if isinstance(result, ClientResult) and isinstance(result.train_loss, PendingLoss):
+                loss = result.train_loss
+                result = dataclasses.replace(result, train_loss=loss.read([number[id(v)] for v in loss.values]))
+        except NonFiniteLoss as exc:
+            if not tolerate:
+                raise
+            result = ClientFailure(result.cid, failure_reason(exc))
+        out.append(result)
+    return out
 
 
 def evaluate_with(runner: Any, algorithm: Any, tasks: Sequence[Any]) -> list[Any]:

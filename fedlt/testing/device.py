@@ -32,8 +32,9 @@ work and is fine), and CUDA-only kernels (Triton: the fused path is checked on t
 
 "No per-step synchronisation" is checked by counting: the round is run with ``local_iters`` = 2
 and = 4; a synchronisation inside a client's step loop would show up twice per client more in
-the second. A constant number per client (the one finiteness check of the round's losses, the
-round's mean loss) is allowed, and every synchronisation is reported with the line that made it.
+the second. A constant number per client is allowed (the FedAvg family's loss checks make none:
+the local runner reads them once a round, fedlt.algorithms.base.deferred_losses), and every
+synchronisation is reported with the line that made it.
 """
 
 from __future__ import annotations
