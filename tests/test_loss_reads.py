@@ -72,6 +72,9 @@ def test_a_rounds_losses_are_read_once_and_are_the_numbers_read_at_once(runs):
     assert runs == [6]  # one read: every client's two numbers
     alone = run_client(Scripted([1.25, 1.25]), tasks(2)[1])  # outside the runner: read at once
     assert alone.train_loss == 1.25 and type(alone.train_loss) is float
+    made_by_hand = SimpleNamespace(client_work=lambda task: ClientResult(  # a PendingLoss not made by loss_of
+        task.cid, {}, 1, 1, PendingLoss([torch.tensor(2.5)], lambda numbers: numbers[0] * 2)))
+    assert LocalRunner().call(made_by_hand, tasks(1))[0].train_loss == 5.0
 
 
 def test_a_non_finite_loss_is_its_clients_failure_or_the_rounds_error_before_a_later_clients(runs):

@@ -316,11 +316,12 @@ _DEFERRED: ContextVar[list[PendingLoss] | None] = ContextVar("fedlt_deferred_los
 
 
 @contextmanager
-def deferred_losses() -> Iterator[list[PendingLoss]]:
-    """A block in which :func:`loss_of` defers: the list of every PendingLoss it made (a runner
-    clears it per client, to read one client's checks should its work raise)."""
+def deferred_losses(defer: bool = True) -> Iterator[list[PendingLoss]]:
+    """A block in which :func:`loss_of` defers (``defer``; else one in which it reads at once,
+    whatever an enclosing block does): the list of every PendingLoss it made (a runner clears it
+    per client, to read one client's checks should its work raise)."""
     made: list[PendingLoss] = []
-    token = _DEFERRED.set(made)
+    token = _DEFERRED.set(made if defer else None)
     try:
         yield made
     finally:
