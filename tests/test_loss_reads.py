@@ -8,13 +8,16 @@ that then raised taking the place of the error it caused."""
 from __future__ import annotations
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import fedlt.algorithms.protocol as protocol
-from fedlt.algorithms.base import NonFiniteLoss, PendingLoss, deferred_losses, loss_of
+from fedlt.algorithms.base import NonFiniteLoss, PendingLoss, deferred_losses, loss_of, read_back
+from fedlt.algorithms.fedavg_family import OBJECTIVE, check_parts
+from fedlt.algorithms.pfl import _joined
 from fedlt.algorithms.protocol import ClientFailure, ClientResult, LocalRunner, run_client
 from fedlt.config import RunConfig
 from fedlt.testing.algorithms import TINY
@@ -110,6 +113,23 @@ def test_joined_losses_read_as_the_phases_would_and_raise_the_first_phases_error
     assert isinstance(joined, PendingLoss) and joined.read([1.0, 1.0, 1.0, 4.0]) == 3.25
     with pytest.raises(NonFiniteLoss, match="client 7"):
         bad.read([0.0, math.nan, 0.0, math.inf])
+
+
+def test_a_waiting_check_keeps_none_of_its_clients_tensors_alive():
+    """A check waits for the round's last client: it must hold its loss table, not the client's task
+    (its copies of the global weights, payload and state) nor a first phase's trained model — else
+    a round keeps one more model per client alive until its end (on the device, on a GPU)."""
+    big = {"w": torch.ones(1000)}
+    task = SimpleNamespace(cid=3, objective="ce", weights=big, payload={"c": big["w"].clone()})
+    held = [weakref.ref(big["w"]), weakref.ref(task.payload["c"])]
+    with deferred_losses():
+        pending = check_parts({OBJECTIVE: [torch.tensor(1.5), torch.tensor(2.5)]}, 2, task)
+        first = ClientResult(3, {"w": torch.ones(1000)}, 1, 2, checked(1.0, 3))
+        joined = _joined(first, ClientResult(3, {}, 1, 2, checked(3.0, 3))).train_loss
+    held.append(weakref.ref(first.weights["w"]))
+    del big, task, first  # freed at once by reference counting, when nothing else holds them
+    assert [ref() is None for ref in held] == [True, True, True]
+    assert pending.read(read_back(pending.values)) == 2.0 and joined.read(read_back(joined.values)) == 2.0
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedrep"])  # one loop a client; two phases joined (FedRep: head, body)
