@@ -18,6 +18,7 @@ import fedlt.algorithms.protocol as protocol
 from fedlt.algorithms.base import NonFiniteLoss, PendingLoss, deferred_losses, loss_of, read_back
 from fedlt.algorithms.fedavg_family import OBJECTIVE, check_parts
 from fedlt.algorithms.pfl import _joined
+from fedlt.algorithms.stateful import _check_finite
 from fedlt.algorithms.protocol import ClientFailure, ClientResult, LocalRunner, run_client
 from fedlt.config import RunConfig
 from fedlt.testing.algorithms import TINY
@@ -132,10 +133,23 @@ def test_a_waiting_check_keeps_none_of_its_clients_tensors_alive():
     assert pending.read(read_back(pending.values)) == 2.0 and joined.read(read_back(joined.values)) == 2.0
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedrep"])  # one loop a client; two phases joined (FedRep: head, body)
+def test_scaffolds_control_variate_check_is_one_flag_read_with_the_rounds_losses(runs):
+    c_i = {"w": torch.ones(3), "b": torch.tensor([1.0, math.inf])}
+    with pytest.raises(NonFiniteLoss, match="control variate of client 4 is not finite"):
+        _check_finite(c_i, 4, 0.1, 2)  # outside a runner: read at once
+    scaffold_like = SimpleNamespace(client_work=lambda task: _check_finite(c_i, task.cid, 0.1, 2) or ClientResult(
+        task.cid, {}, 1, 1, checked(0.5, task.cid)))
+    out = LocalRunner(tolerate=True).call(scaffold_like, tasks(2))
+    assert [o.reason for o in out] == [f"failed: NonFiniteLoss: SCAFFOLD's control variate of client {k} is not "
+                                       "finite (its step (x - y)/(K·lr) overflows at lr=0.1, K=2)" for k in (0, 1)]
+    assert runs == [6]  # the round's one read: two clients' flag, finiteness and mean
+
+
+# one loop a client; two phases joined (FedRep: head, body); SCAFFOLD's check of its control variate
+@pytest.mark.parametrize("name", ["fedavg", "fedrep", "scaffold"])
 def test_no_client_waits_for_the_device_and_a_round_reads_it_once(name, tmp_path):
     """On the device audit's pretend device (fedlt.testing.device): no host synchronisation inside
-    any client's work, one for the round's losses (each round trains 2 of the 4 clients)."""
+    any client's work, one for the round's checks (each round trains 2 of the 4 clients)."""
     config = RunConfig(**dict(TINY, clients=4, participation=1.0, model="mlp"), algorithm=name, out=tmp_path / "run")
     audit, = audit_round(config, rounds=2, local_iters=(2,))
     assert not client_syncs(audit), client_syncs(audit)
