@@ -112,6 +112,9 @@ def test_joined_losses_read_as_the_phases_would_and_raise_the_first_phases_error
         joined = first.joined(second, lambda a, b: (a * 1 + b * 3) / 4)
         bad = checked(math.nan, 7).joined(checked(math.inf, 8), lambda a, b: a + b)
     assert isinstance(joined, PendingLoss) and joined.read([1.0, 1.0, 1.0, 4.0]) == 3.25
+    assert float(joined) == 3.25  # client code needing the number reads it at once
+    with pytest.raises(NonFiniteLoss, match="client 7"):
+        float(bad)
     with pytest.raises(NonFiniteLoss, match="client 7"):
         bad.read([0.0, math.nan, 0.0, math.inf])
 

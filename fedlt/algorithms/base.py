@@ -304,6 +304,11 @@ class PendingLoss:
     def __init__(self, values: Sequence[torch.Tensor], read: Callable[[list[float]], float]) -> None:
         self.values, self.read = list(values), read
 
+    def __float__(self) -> float:
+        """The loss read at once (one host synchronisation), as if at its client's end: for client
+        code that needs the number before its runner reads the round's (NonFiniteLoss as there)."""
+        return self.read(read_back(self.values))
+
     def joined(self, other: PendingLoss | float, combine: Callable[[float, float], float]) -> PendingLoss:
         """``combine(self's loss, other's)``, still pending; ``self``'s error is raised first."""
         if not isinstance(other, PendingLoss):

@@ -80,7 +80,9 @@ class ClientResult:
     weights: State
     num_samples: int
     steps: int = 0
-    train_loss: float = 0.0
+    # inside the local runner's work a PendingLoss until the runner reads the round's (one host
+    # synchronisation, fedlt.algorithms.base.deferred_losses); float(...) reads one at once
+    train_loss: float | PendingLoss = 0.0
     state: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     packed: dict[str, Any] | None = None  # the update in its wire form, under a task's upload plan (then
