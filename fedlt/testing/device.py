@@ -233,7 +233,8 @@ def check_device(algorithm: Any, params: dict[str, Any] | None = None, *, model:
     """Check an algorithm (registered name or factory) on the pretend device (see the module):
     [on the device] no operation of two rounds mixes an on-device tensor with a host one;
     [no per-step sync] the host synchronisations of a round do not grow with its local steps
-    (``local_iters`` 2 vs 6). ``settings`` override :data:`fedlt.testing.algorithms.TINY`."""
+    (``local_iters`` 2 vs 4); [no per-step upload] nor do its host-to-device copies. ``settings``
+    override :data:`fedlt.testing.algorithms.TINY`."""
     with registered(fedlt.algorithms.REGISTRY, algorithm, "contract_algorithm") as name, \
             tempfile.TemporaryDirectory(prefix="fedlt-device-") as tmp:
         c = Contract(f"algorithm {name!r}")
