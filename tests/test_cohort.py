@@ -29,7 +29,7 @@ FLOAT64 = {"fedloge", "fedrela"}
 COHORT_PARAMS = {"fedrela": {"relabel_start": 1}}  # round 2 relabelled (the default starts at 90 % of the rounds)
 # 200 training samples, not TINY's 600: 5 clients of 27 to 45 samples (the dirichlet draw), so by epochs
 # (batches of 8) clients take 4 or 6 steps (masked in a group) and end on partial batches, and by
-# iterations each has its own B_k; a third of the steps the sweep took with 600 (-60 s a suite)
+# iterations each has its own B_k; a third of the steps (the sweep ~62 s -> ~36 s on one core)
 SWEEP = {"train_limit": 200}
 
 

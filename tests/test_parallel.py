@@ -58,7 +58,8 @@ def test_every_registered_algorithm_is_bit_identical_with_two_workers(pool):
     assert "example_fedcm" in cases and "scala" in cases
     # 200 training and 40 test images, not TINY's 600 and 100: every client and its matched test set
     # are still a function of its task alone, each round still evaluated while the next trains (the
-    # snapshot's rows and checkpoints compared), at two thirds of the time (-30 s on one core)
+    # snapshot's rows and checkpoints compared); less work a run (the sweep measured 65-88 s -> 66-67 s
+    # on a shared core: the pool's and the runs' fixed costs dominate)
     check_parallel(cases, pool=pool, train_limit=200, test_limit=40)
 
 
