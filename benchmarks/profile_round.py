@@ -10,7 +10,8 @@ functions that do each job — nothing in fedlt is changed to be profiled:
     clip                 LocalSchedule.clip_ (clip_grad_norm_)
     optimiser            torch.optim SGD.step / zero_grad (and LocalSchedule.step where it exists)
     minibatch slicing    the client's batch stream (index permutation and gather)
-    host sync            the once-per-client finiteness check (check_parts, raise_first_non_finite)
+    host sync            the clients' finiteness checks (check_parts, raise_first_non_finite; the
+                         local runner reads them once a round: protocol.read_losses)
     client set-up        building the objective and the optimiser
     server step (split)  ServerSide.forward_backward less its backward (the server's forward, loss, step)
     aggregation          Strategy.aggregate / SplitStrategy.aggregate
@@ -115,7 +116,7 @@ def instrument(timer: PhaseTimer) -> None:
     import torch
 
     import fedlt.io
-    from fedlt.algorithms import base, cohort, fedavg_family, split, split_client, split_server
+    from fedlt.algorithms import base, cohort, fedavg_family, protocol, split, split_client, split_server
     from fedlt.run import evaluation, loop, resume
 
     for owner, attr, phase in [
@@ -129,6 +130,7 @@ def instrument(timer: PhaseTimer) -> None:
         (torch.optim.Optimizer, "zero_grad", "optimiser"),
         (fedavg_family, "check_parts", "host sync (loss check)"),
         (base, "raise_first_non_finite", "host sync (loss check)"),
+        (protocol, "read_losses", "host sync (loss check)"),  # the round's one read of the clients' checks
         (fedavg_family, "build_objective", "client set-up"),
         (base.LocalSchedule, "optimiser", "client set-up"),
         (split_server.ServerSide, "forward_backward", "server step (split)"),

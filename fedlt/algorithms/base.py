@@ -304,6 +304,11 @@ class PendingLoss:
     def __init__(self, values: Sequence[torch.Tensor], read: Callable[[list[float]], float]) -> None:
         self.values, self.read = list(values), read
 
+    def __float__(self) -> float:
+        """The loss read at once (one host synchronisation), as if at its client's end: for client
+        code that needs the number before its runner reads the round's (NonFiniteLoss as there)."""
+        return self.read(read_back(self.values))
+
     def joined(self, other: PendingLoss | float, combine: Callable[[float, float], float]) -> PendingLoss:
         """``combine(self's loss, other's)``, still pending; ``self``'s error is raised first."""
         if not isinstance(other, PendingLoss):
@@ -316,11 +321,12 @@ _DEFERRED: ContextVar[list[PendingLoss] | None] = ContextVar("fedlt_deferred_los
 
 
 @contextmanager
-def deferred_losses() -> Iterator[list[PendingLoss]]:
-    """A block in which :func:`loss_of` defers: the list of every PendingLoss it made (a runner
-    clears it per client, to read one client's checks should its work raise)."""
+def deferred_losses(defer: bool = True) -> Iterator[list[PendingLoss]]:
+    """A block in which :func:`loss_of` defers (``defer``; else one in which it reads at once,
+    whatever an enclosing block does): the list of every PendingLoss it made (a runner clears it
+    per client, to read one client's checks should its work raise)."""
     made: list[PendingLoss] = []
-    token = _DEFERRED.set(made)
+    token = _DEFERRED.set(made if defer else None)
     try:
         yield made
     finally:

@@ -461,14 +461,17 @@ def check_parts(parts: dict[str, list[torch.Tensor]], steps: int, task: ClientTa
         return 0.0
     names = list(parts)
     table = torch.stack([torch.stack(parts[n]) for n in names])  # parts × steps
+    # the read may wait for the round's last client: it keeps the table and two names, not the
+    # task (its copies of the global weights, payload and state: a model more per client)
+    cid, objective = task.cid, task.objective
 
     def read(numbers: list[float]) -> float:
         all_finite, mean = numbers
         if not all_finite:
             part, step = (int(i) for i in (~torch.isfinite(table)).nonzero()[0])
-            what = f"loss {task.objective!r}" if names[part] == OBJECTIVE else names[part]
+            what = f"loss {objective!r}" if names[part] == OBJECTIVE else names[part]
             raise NonFiniteLoss(f"non-finite loss ({table[part, step].item()}) at local step {step + 1}, "
-                                f"client {task.cid}, {what}")
+                                f"client {cid}, {what}")
         return mean
 
     return loss_of([torch.isfinite(table).all(), table.double().sum(0).mean()], read)

@@ -129,8 +129,10 @@ class PartsUpdate(ClientUpdate):
 def _joined(first: ClientResult, second: ClientResult) -> ClientResult:
     """Two phases of one round as one result: the second's weights and state, both phases' steps
     and their step-weighted mean loss."""
-    steps = first.steps + second.steps
-    combine = lambda a, b: (a * first.steps + b * second.steps) / steps if steps else 0.0  # noqa: E731
+    # the step counts, not the results: a pending loss waits for the round's end, the first's model need not
+    first_steps, second_steps = first.steps, second.steps
+    steps = first_steps + second_steps
+    combine = lambda a, b: (a * first_steps + b * second_steps) / steps if steps else 0.0  # noqa: E731
     a, b = first.train_loss, second.train_loss
     if isinstance(a, PendingLoss):  # read with the round's other clients' (fedlt.algorithms.base.deferred_losses)
         loss = a.joined(b, combine)

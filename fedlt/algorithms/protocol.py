@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -80,7 +80,9 @@ class ClientResult:
     weights: State
     num_samples: int
     steps: int = 0
-    train_loss: float = 0.0
+    # inside the local runner's work a PendingLoss until the runner reads the round's (one host
+    # synchronisation, fedlt.algorithms.base.deferred_losses); float(...) reads one at once
+    train_loss: float | PendingLoss = 0.0
     state: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     packed: dict[str, Any] | None = None  # the update in its wire form, under a task's upload plan (then
@@ -429,7 +431,7 @@ class LocalRunner(Runner):
         or (not tolerated) the round's error before any later client's. Another job's work (a
         fine-tuned evaluation) reads its loops' losses itself."""
         work, out, checks = CLIENT_CALLS[job], [], []
-        with deferred_losses() if job == "work" else nullcontext([]) as made:
+        with deferred_losses(defer=job == "work") as made:
             for t in tasks:
                 made.clear()
                 try:
@@ -460,7 +462,9 @@ def read_losses(results: list[Any], checks: list[list[PendingLoss]], tolerate: b
     work made, its result's among them or joined from them) read in one host synchronisation: a
     client with a non-finite loss becomes a ClientFailure when failures are tolerated, else its
     NonFiniteLoss is raised (the first such client's); the others' ``train_loss`` become floats."""
-    values = [v for made in checks for pending in made for v in pending.values]
+    returned = [r.train_loss for r in results if isinstance(r, ClientResult) and isinstance(r.train_loss, PendingLoss)]
+    values = list({id(v): v for pending in [*(p for made in checks for p in made), *returned]
+                   for v in pending.values}.values())
     if not values:
         return results
     number = dict(zip(map(id, values), read_back(values)))

@@ -32,7 +32,7 @@ from pydantic import Field
 from torch import nn
 
 from fedlt.algorithms import preset, register
-from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, upcast
+from fedlt.algorithms.base import AggregatorSpec, NonFiniteLoss, RunContext, build_aggregator, loss_of, upcast
 # features_of is re-exported: its users import it from here
 from fedlt.algorithms.fedavg_family import (ClientUpdate, FedAvgFamily, StepForward, Strategy,  # noqa: F401
                                             client_norms, features_of, trainable_names)
@@ -100,10 +100,21 @@ class ScaffoldUpdate(ClientUpdate):
         # by that factor, which the corrected steps then feed back (diverges at ρ = 0.9)
         scale = 1.0 / (effective_steps(steps, task.schedule.momentum) * task.schedule.lr)
         new = {n: c_i[n] - c[n] + (task.weights[n] - p.detach()) * scale for n, p in zip(names, params)}
-        if not all(bool(torch.isfinite(t).all()) for t in new.values()):
-            raise NonFiniteLoss(f"SCAFFOLD's control variate of client {task.cid} is not finite (its step "
-                                f"(x - y)/(K·lr) overflows at lr={task.schedule.lr:g}, K={steps})")
+        _check_finite(new, task.cid, task.schedule.lr, steps)
         return {"c": new}, {"delta_c": {n: new[n] - c_i[n] for n in names}}
+
+
+def _check_finite(c_i: State, cid: int, lr: float, steps: int) -> None:
+    """c_i finite, else NonFiniteLoss: one flag for every tensor, read with the client's loss check
+    (``loss_of``: at once, or by the local runner after the round's last client, which makes it this
+    client's failure or the round's error as if read here) — not one host synchronisation a tensor."""
+    def read(numbers: list[float]) -> float:
+        if not numbers[0]:
+            raise NonFiniteLoss(f"SCAFFOLD's control variate of client {cid} is not finite (its step "
+                                f"(x - y)/(K·lr) overflows at lr={lr:g}, K={steps})")
+        return 0.0
+
+    loss_of([torch.stack([torch.isfinite(t).all() for t in c_i.values()]).all()], read)
 
 
 class ScaffoldStrategy(ControlStrategy):

@@ -118,6 +118,42 @@ def _unwrap(value: Any) -> Any:
     return value.elem if isinstance(value, OnDevice) else value
 
 
+def _wrap(value: torch.Tensor) -> torch.Tensor:
+    return value if isinstance(value, OnDevice) else OnDevice(value)
+
+
+def _each(fn: Any, value: Any) -> Any:
+    """``value`` with ``fn`` applied to each of its tensors: an aten call's arguments or result,
+    whose tensors stand alone or sit in lists, tuples and dicts. A hand-written walk, not pytree's
+    ``tree_map``: the audit sees every operation of a round, and pytree's registry lookups were
+    half of its time; another container (a named tuple) goes through ``tree_map``."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind([_each(fn, v) for v in value])
+    if kind is dict:
+        return {k: _each(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, dict)):
+        return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+    return value
+
+
+def _tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``value`` (as :func:`_each` walks it), appended to ``found`` in order."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif type(value) in (list, tuple):
+        for v in value:
+            _tensors(v, found)
+    elif type(value) is dict:
+        for v in value.values():
+            _tensors(v, found)
+    elif isinstance(value, (list, tuple, dict)):
+        found.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return found
+
+
 class DeviceAudit(TorchDispatchMode):
     """Runs every operation on the CPU while tracking placement (see the module); collects
     ``syncs`` and ``mixed`` as ``Counter`` s of ``"op at file:line"``."""
@@ -130,7 +166,7 @@ class DeviceAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        tensors = _tensors(kwargs, _tensors(args, []))
         on = [isinstance(a, OnDevice) for a in tensors]
         if any(on) and any(not o and t.dim() > 0 for o, t in zip(on, tensors)):
             self.mixed[f"{func} at {_where()}"] += 1
@@ -143,11 +179,11 @@ class DeviceAudit(TorchDispatchMode):
             self.uploads[f"{func} at {_where()}"] += 1
         if func is _SYNC and any(on) or to_host:
             self.syncs[f"{func} at {_where()}"] += 1
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        if to_host or not (any(on) or asked):
-            return out
-        return tree_map(lambda o: OnDevice(o) if isinstance(o, torch.Tensor) and not isinstance(o, OnDevice) else o,
-                        out)
+        if not any(on):  # host tensors only: nothing to unwrap
+            out = func(*args, **kwargs)
+            return _each(_wrap, out) if asked else out
+        out = func(*_each(_unwrap, args), **_each(_unwrap, kwargs))
+        return out if to_host else _each(_wrap, out)
 
 
 @contextmanager
