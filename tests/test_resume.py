@@ -28,7 +28,7 @@ from fedlt.errors import FedltError
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-TINY = ["--train-limit", "2000", "--test-limit", "300", "--clients", "10", "--participation", "0.3", "--rounds", "4",
+TINY = ["--train-limit", "2000", "--test-limit", "100", "--clients", "10", "--participation", "0.3", "--rounds", "4",
         "--local-iters", "2", "--server-batch", "32", "--eval-every", "1", "--quiet"]
 # one thread in and out of process (see one_thread): float reductions may be split by thread
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
