@@ -90,7 +90,9 @@ class Recorder:
         def client_work(algorithm, task):
             recorder.cid = task.cid
             result = work(algorithm, task)
-            recorder.results.setdefault(task.cid, result)  # the training call (CCVR's second call only collects)
+            # the training call (CCVR's second call only collects); its train_loss may be a PendingLoss the
+            # local runner reads after the round's last client: float() reads it (recorded_difference)
+            recorder.results.setdefault(task.cid, result)
             return result
 
         def sgb(term, logits, targets, **kw):
@@ -267,7 +269,7 @@ def group_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tens
 
 def recorded_difference(method: str, result: Any, recorded: dict[str, Any]) -> float:
     """The largest relative difference between a participant's round and a fixture's record of it."""
-    worst = 0.0 if recorded.get("loss") is None else abs(result.train_loss - recorded["loss"]) / abs(recorded["loss"])
+    worst = 0.0 if recorded.get("loss") is None else abs(float(result.train_loss) - recorded["loss"]) / abs(recorded["loss"])
     for group, tensors in quantities(method, result).items():
         for name, theirs in recorded[group].items():
             if name.endswith(COUNTER):  # BatchNorm's step counters: not judged (run.py)

@@ -79,7 +79,7 @@ def compare_client(method: str, ours, theirs: dict[str, Any], gates: list[torch.
         if counters:
             out["counters"] = max(relative_difference(tensors[k], theirs[group][k]) for k in counters)
     if theirs.get("loss") is not None:
-        out["loss"] = abs(ours.train_loss - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
+        out["loss"] = abs(float(ours.train_loss) - theirs["loss"]) / max(abs(theirs["loss"]), 1e-300)
     return out
 
 
