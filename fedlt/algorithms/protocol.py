@@ -453,7 +453,7 @@ def _checked_first(made: list[PendingLoss], work: Callable[[], Any]) -> Any:
         return work()
     except Exception:
         for pending in made:
-            pending.read(read_back(pending.values))
+            float(pending)  # read at once: raises its NonFiniteLoss
         raise
 
 
